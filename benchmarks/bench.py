@@ -1,0 +1,295 @@
+"""fused_ce against its peers: forward + backward time, workspace and accuracy.
+
+    python benchmarks/bench.py                 # shapes A, B, C and an N sweep, every installed peer
+    python benchmarks/bench.py --quick         # fewer repeats, smaller sweep
+    python benchmarks/bench.py --shapes A --methods fused_ce,torch.compile
+
+Workload (issue 3): bf16 input ~ N(0, 1) and weight ~ N(0, 1/D), int64 targets
+with 10% ignore_index, mean loss; time of forward + backward, median of timed
+runs after warm-up (CUDA events). Workspace = peak allocated during fwd+bwd
+minus the inputs minus the gradients. Errors are relative norm errors against a
+float32 reference (loss, dX, dW). Prints a table and writes a JSON file and a
+PNG plot of time and workspace against N to --out.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, D, V)
+    "A": (16384, 4096, 128256),  # Llama-3 8B
+    "B": (8192, 2304, 256000),  # Gemma-2 2B
+    "C": (4096, 4096, 128256),
+}
+PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
+
+
+def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    x = torch.randn(N, D, device=device, dtype=dtype, generator=g)
+    w = (torch.randn(V, D, device=device, generator=g) / math.sqrt(D)).to(dtype)
+    t = torch.randint(0, V, (N,), device=device, generator=g)
+    t[torch.rand(N, device=device, generator=g) < 0.1] = -100
+    return x, w, t
+
+
+def torch_eager(x, w, t):
+    return F.cross_entropy((x @ w.T).float(), t)
+
+
+_compiled = {}
+
+
+def torch_compiled(x, w, t):
+    if "fn" not in _compiled:
+        _compiled["fn"] = torch.compile(torch_eager)
+    return _compiled["fn"](x, w, t)
+
+
+def available_methods():
+    methods = {}
+    try:
+        import fused_ce
+
+        methods["fused_ce"] = lambda x, w, t: fused_ce.linear_cross_entropy(x, w, t)
+    except ImportError as exc:
+        print(f"fused_ce not importable: {exc}", file=sys.stderr)
+    methods["torch eager"] = torch_eager
+    methods["torch.compile"] = torch_compiled
+    if hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        opts = torch.nn.LinearCrossEntropyOptions()
+        methods["torch chunked"] = lambda x, w, t: F.linear_cross_entropy(x, w, t, options=opts)
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger(x, w, t):
+            out = liger_fused_linear_cross_entropy(x, w, t)
+            return out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+
+        methods["liger-kernel"] = liger
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        methods["cut-cross-entropy"] = lambda x, w, t: cce(x, w, t)
+    except ImportError:
+        pass
+    return methods
+
+
+def reference(x, w, t):
+    """float32 loss, dX, dW (no TF32)."""
+    xf = x.float().requires_grad_()
+    wf = w.float().requires_grad_()
+    loss = F.cross_entropy(xf @ wf.T, t)
+    loss.backward()
+    out = (loss.detach(), xf.grad, wf.grad)
+    return out
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def cuda_time_ms(fn, warmup, repeat):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(method, x, w, t, ref, warmup, repeat):
+    xl = x.detach().requires_grad_()
+    wl = w.detach().requires_grad_()
+
+    def fwd_bwd():
+        xl.grad = wl.grad = None
+        loss = method(xl, wl, t)
+        loss.backward()
+        return loss
+
+    loss = fwd_bwd()  # also compiles / warms up
+    torch.cuda.synchronize()
+    errs = {"loss": rel_err(loss.detach(), ref[0]), "dX": rel_err(xl.grad, ref[1]), "dW": rel_err(wl.grad, ref[2])}
+    ms = cuda_time_ms(fwd_bwd, warmup, repeat)
+    # workspace: peak during one fwd+bwd above inputs, minus the gradients it returns
+    xl.grad = wl.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    grads = xl.grad.numel() * xl.grad.element_size() + wl.grad.numel() * wl.grad.element_size()
+    workspace = max(0, peak - base - grads)
+    xl.grad = wl.grad = None
+    return ms, workspace / 2**30, errs
+
+
+def loss_only_ms(x, w, t, warmup, repeat):
+    import fused_ce
+
+    with torch.no_grad():
+        return cuda_time_ms(lambda: fused_ce.linear_cross_entropy(x, w, t), warmup, repeat)
+
+
+def first_call_ms(x, w, t):
+    """The first fused_ce call of this process against a warm one (no JIT: should be close)."""
+    import fused_ce
+
+    def once():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            fused_ce.linear_cross_entropy(x, w, t)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    first = once()
+    warm = statistics.median(once() for _ in range(5))
+    return first, warm
+
+
+def run(args):
+    device = "cuda"
+    methods = available_methods()
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if k in args.methods.split(",")}
+    rows = []
+    # a cuBLAS call first so that the first-call figure isolates fused_ce's own start-up
+    torch.mm(torch.ones(64, 64, device=device), torch.ones(64, 64, device=device))
+    first_call = None
+    shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",") if name]
+    sweep_n = [int(n) for n in args.sweep.split(",") if n] if args.sweep else []
+    if sweep_n:
+        shapes += [(f"A@N={n}", n, SHAPES["A"][1], SHAPES["A"][2]) for n in sweep_n if n != SHAPES["A"][0]]
+    for name, N, D, V in shapes:
+        x, w, t = make_inputs(N, D, V, device)
+        if first_call is None and "fused_ce" in methods:
+            first_call = first_call_ms(x, w, t)
+        ref = reference(x, w, t)
+        torch.cuda.empty_cache()
+        flops = 6 * N * D * V
+        floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
+        for mname, fn in methods.items():
+            if mname == "torch eager" and N * V > 2**31 and not args.eager_big:
+                continue  # its 22 GiB of logits is known; skip unless asked
+            if name.startswith("A@") and mname not in args.sweep_methods.split(","):
+                continue
+            try:
+                ms, ws, errs = measure(fn, x, w, t, ref, args.warmup, args.repeat)
+            except torch.cuda.OutOfMemoryError:
+                print(f"{name} {mname}: out of memory", file=sys.stderr)
+                continue
+            finally:
+                torch.cuda.empty_cache()
+            row = dict(shape=name, N=N, D=D, V=V, method=mname, ms=ms, tflops=flops / ms / 1e9,
+                       workspace_gib=ws, floor_ms=floor_ms, **{f"err_{k}": v for k, v in errs.items()})
+            if mname == "fused_ce":
+                row["loss_only_ms"] = loss_only_ms(x, w, t, args.warmup, args.repeat)
+                row["loss_only_floor_ms"] = floor_ms / 3
+            rows.append(row)
+            print(f"{name:>10} {mname:>18} {ms:8.2f} ms {row['tflops']:6.0f} TFLOP/s {ws:6.3f} GiB  "
+                  f"err loss {errs['loss']:.1e} dX {errs['dX']:.1e} dW {errs['dW']:.1e}", flush=True)
+        del x, w, t, ref
+        torch.cuda.empty_cache()
+    return rows, first_call
+
+
+def environment():
+    import triton  # noqa: only to report the version the peers use
+
+    return dict(date=str(date.today()), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, python=platform.python_version())
+
+
+def print_table(rows, first_call, env):
+    print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}")
+    if first_call:
+        print(f"fused_ce first call after import {first_call[0]:.1f} ms, warm {first_call[1]:.1f} ms (shape A loss)")
+    header = f"| shape | method | fwd+bwd ms | TFLOP/s | x floor | workspace GiB | err loss | err dX | err dW |"
+    print(header)
+    print("|" + "---|" * 9)
+    for r in rows:
+        print(f"| {r['shape']} | {r['method']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['ms'] / r['floor_ms']:.2f} | "
+              f"{r['workspace_gib']:.3f} | {r['err_loss']:.1e} | {r['err_dX']:.1e} | {r['err_dW']:.1e} |")
+    lo = [r for r in rows if "loss_only_ms" in r]
+    if lo:
+        print("\nfused_ce loss only (no grad): " + ", ".join(
+            f"{r['shape']} {r['loss_only_ms']:.2f} ms ({r['loss_only_ms'] / r['loss_only_floor_ms']:.2f}x 2NDV floor)"
+            for r in lo))
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    sweep = [r for r in rows if r["shape"] == "A" or r["shape"].startswith("A@")]
+    if not sweep:
+        return
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in sorted({r["method"] for r in sweep}):
+        pts = sorted((r["N"], r["ms"], r["workspace_gib"]) for r in sweep if r["method"] == method)
+        ax_t.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+        ax_m.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=method)
+    floor = sorted({(r["N"], r["floor_ms"]) for r in sweep})
+    ax_t.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="6NDV floor")
+    ax_t.set(xlabel="N (tokens)", ylabel="fwd+bwd ms", title="D=4096, V=128256, bf16", xscale="log", yscale="log")
+    ax_m.set(xlabel="N (tokens)", ylabel="workspace GiB", title="peak beyond inputs and grads", xscale="log",
+             yscale="symlog")
+    ax_t.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="A,B,C")
+    parser.add_argument("--methods", default=None, help="comma list (default: every installed one)")
+    parser.add_argument("--sweep", default="2048,4096,8192", help="extra N values at shape A's D and V")
+    parser.add_argument("--sweep-methods", default="fused_ce,torch.compile,liger-kernel,cut-cross-entropy")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="warmup 1, repeat 5")
+    parser.add_argument("--eager-big", action="store_true", help="also run torch eager when N*V > 2^31")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if args.quick:
+        args.warmup, args.repeat = 1, 5
+    if not torch.cuda.is_available():
+        sys.exit("bench.py times CUDA kernels; for the CPU comparison run benchmarks/bench_cpu.py")
+    rows, first_call = run(args)
+    env = environment()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(dict(env=env, first_call_ms=first_call, rows=rows), indent=1))
+    plot(rows, out / "bench.png")
+    print_table(rows, first_call, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, run every test, benchmark; short table last.
+#   bash benchmarks/device_run.sh [bench.py arguments]
+# Peers that the machine lacks travel as wheels in .whl/ (see benchmarks/NOTES.md).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/fused_ce_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+start=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . 2>&1 | grep -v "WARNING: Running pip" | tail -5
+echo "build: $(( $(date +%s) - start )) s"
+${SKIP_TESTS:+false} && { python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/tests.log" | tail -25; }
+python3 benchmarks/bench.py "$@" 2>&1 | tee "$OUT/bench.log" | tail -40

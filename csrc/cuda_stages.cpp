@@ -1,0 +1,101 @@
+// The stages on CUDA: picks an embedded Triton variant for the tensors at hand
+// and launches it (cuda_driver.cpp).
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda_driver.h"
+#include "stages.h"
+
+namespace fused_ce {
+namespace {
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kFloat: return "fp32";
+    default: return nullptr;
+  }
+}
+
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// The assumptions of the "aligned" variants (fused_ce/_build/aot.py), checked
+// on the actual tensors.
+bool fits_aligned(const Problem& p, const KernelVariant& v, const at::Tensor* g) {
+  const bool xw = p.x.stride(1) == 1 && p.w.stride(1) == 1 && aligned16(p.x) && aligned16(p.w) &&
+                  p.x.stride(0) % 16 == 0 && p.w.stride(0) % 16 == 0 && p.D % 16 == 0 && p.D % v.block_d == 0;
+  return xw && (g == nullptr || (aligned16(*g) && g->stride(0) % 16 == 0));
+}
+
+const KernelVariant* select(const char* kernel, const Problem& p, const at::Tensor* g) {
+  const char* dtype = dtype_name(p.x.scalar_type());
+  if (dtype == nullptr) return nullptr;
+  const int arch = device_arch(p.x.device().index());
+  const KernelVariant* aligned = find_variant(kernel, dtype, "aligned", arch);
+  if (aligned != nullptr && fits_aligned(p, *aligned, g)) return aligned;
+  return find_variant(kernel, dtype, "general", arch);
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+KernelArgs common_args(const Problem& p) {
+  KernelArgs a;
+  a.ptr("x_ptr", p.x).ptr("w_ptr", p.w).ptr("b_ptr", p.bias).ptr("cw_ptr", p.class_weight)
+      .ptr("tgt_ptr", p.target).i64("D", p.D)
+      .i64("stride_xn", p.x.stride(0)).i64("stride_xd", p.x.stride(1))
+      .i64("stride_wv", p.w.stride(0)).i64("stride_wd", p.w.stride(1))
+      .f32("logit_scale", static_cast<float>(p.logit_scale))
+      .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
+      .i32("has_bias", p.bias.defined()).i32("has_class_weight", p.class_weight.defined())
+      .i32("has_softcap", p.softcap.has_value());
+  return a;
+}
+
+}  // namespace
+
+bool cuda_kernels_available(const Problem& p) {
+  return p.x.is_cuda() && select("row_stats", p, nullptr) != nullptr &&
+         select("logit_grad", p, nullptr) != nullptr;
+}
+
+RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum) {
+  const KernelVariant& v = *select("row_stats", p, nullptr);
+  // Split the vocabulary so that there are several waves of programs even for
+  // few rows; the splits' partials are combined below.
+  const int64_t row_tiles = cdiv(p.N, v.block_n);
+  const int64_t vocab_tiles = cdiv(p.V, v.block_v);
+  const int64_t target_programs = 8 * int64_t{device_sm_count(p.x.device().index())};
+  int64_t splits = std::clamp<int64_t>(cdiv(target_programs, row_tiles), 1, vocab_tiles);
+  const int64_t cols_per_split = cdiv(vocab_tiles, splits) * v.block_v;
+  splits = cdiv(p.V, cols_per_split);
+
+  at::Tensor partial = at::empty({4, splits, p.N}, p.x.options().dtype(at::kFloat));
+  KernelArgs args = common_args(p);
+  args.ptr("m_ptr", partial[0]).ptr("s_ptr", partial[1]).ptr("zt_ptr", partial[2]).ptr("wz_ptr", partial[3])
+      .i64("N", p.N).i64("V", p.V).i64("cols_per_split", cols_per_split).i32("need_wz", need_weighted_z_sum);
+  launch(v, p.x.device(), row_tiles * splits, args);
+
+  const at::Tensor m = partial[0];
+  const at::Tensor m_max = std::get<0>(m.max(0));
+  RowStats s;
+  s.lse = m_max + (partial[1] * (m - m_max).exp()).sum(0).log();
+  s.target_logit = partial[2].sum(0);
+  if (need_weighted_z_sum) s.weighted_z_sum = partial[3].sum(0);
+  return s;
+}
+
+void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
+                     const at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == p.x.scalar_type() && out.stride(1) == 1, "fused_ce: bad gradient buffer");
+  const KernelVariant& v = *select("logit_grad", p, &out);
+  KernelArgs args = common_args(p);
+  args.ptr("lse_ptr", c.lse).ptr("alpha_ptr", c.alpha).ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma)
+      .ptr("g_ptr", out).i64("N", p.N).i64("v_begin", v_begin).i64("v_end", v_end)
+      .i64("stride_gn", out.stride(0));
+  launch(v, p.x.device(), cdiv(p.N, v.block_n) * cdiv(v_end - v_begin, v.block_v), args);
+}
+
+}  // namespace fused_ce

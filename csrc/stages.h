@@ -1,0 +1,60 @@
+// The two stages every implementation provides, on a 2-D view of the problem.
+//
+//   row stats:  lse[r] = logsumexp_c z[r, c], the target's logit z[r, t_r] and, for
+//               label smoothing, sum_c cw[c] * z[r, c]          (forward)
+//   logit grad: g[r, c] = dL/dlogit[r, c] for a block of rows and columns (backward)
+//
+// with z = softcap(logit_scale * (x @ w.T + b)). loss.cpp turns row stats into
+// the loss and multiplies g back through w and x; the stages never hold more
+// than one block of logits.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace fused_ce {
+
+struct Problem {
+  at::Tensor x;             // [N, D], any strides
+  at::Tensor w;             // [V, D], any strides
+  at::Tensor bias;          // [V] or undefined
+  at::Tensor class_weight;  // [V] float32 contiguous, or undefined
+  at::Tensor target;        // [N] int64 contiguous; ignored rows hold -1
+  double logit_scale = 1.0;
+  std::optional<double> softcap;
+  int64_t N = 0, V = 0, D = 0;
+
+  Problem rows(int64_t begin, int64_t end) const;  // same problem on rows [begin, end)
+};
+
+struct RowStats {
+  at::Tensor lse;             // [N] float32
+  at::Tensor target_logit;    // [N] float32 (0 where the target is ignored)
+  at::Tensor weighted_z_sum;  // [N] float32, only when asked for
+};
+
+// Per-row coefficients of the logit gradient:
+//   g = logit_scale * softcap'(z) * (p * alpha - beta * onehot(target) - gamma * class_weight)
+struct GradCoefficients {
+  at::Tensor lse, alpha, beta, gamma;  // [N] float32 contiguous
+  GradCoefficients rows(int64_t begin, int64_t end) const;
+};
+
+// ATen implementations: any device, float32 arithmetic; the CPU path and the
+// CUDA fallback. `max_rows` bounds the logits block held at once.
+RowStats aten_row_stats(const Problem& p, bool need_weighted_z_sum, int64_t max_rows);
+// Returns g for all rows of `p` and columns [v_begin, v_end), as float32
+// (float64 for float64 inputs).
+at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end);
+
+// Triton kernels (CUDA). Return false where no embedded cubin fits the device;
+// the caller then falls back to the ATen stages.
+bool cuda_kernels_available(const Problem& p);
+RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum);
+// Writes g (in the input dtype) for all rows of `p` and columns [v_begin, v_end)
+// into `out` ([N, >= v_end - v_begin], unit column stride).
+void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
+                     const at::Tensor& out);
+
+}  // namespace fused_ce

@@ -1,0 +1,21 @@
+"""fused_ce: fused linear + cross-entropy loss that never materialises the logits.
+
+``import fused_ce`` loads the compiled library (which defines
+``torch.ops.fused_ce.linear_cross_entropy`` and its CPU, CUDA and autograd
+kernels) and registers the fake kernels used by torch.compile. It never imports
+triton: the CUDA kernels are embedded cubins.
+"""
+import torch
+
+from . import _C  # noqa: F401  (registers the ops)
+from . import _fake  # noqa: F401  (fake kernels for FakeTensor / torch.compile)
+from .functional import linear_cross_entropy
+from .modules import LinearCrossEntropyLoss
+
+__version__ = "0.1.0"
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "cuda_archs"]
+
+
+def cuda_archs() -> list:
+    """Compute capabilities (e.g. ``[80, 86, 89, 90, 100, 120]``) this build has kernels for."""
+    return list(torch.ops.fused_ce._embedded_archs())

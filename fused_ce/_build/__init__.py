@@ -1,0 +1,1 @@
+"""Build-time tools (AOT kernel compilation). Never imported at run time."""

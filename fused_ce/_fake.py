@@ -1,0 +1,31 @@
+"""Fake (meta) kernels: output shapes and dtypes without computing anything."""
+import torch
+
+
+def _loss_dtype(input):
+    return torch.float64 if input.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("fused_ce::linear_cross_entropy")
+def _linear_cross_entropy_fake(input, linear_weight, target, linear_bias=None, weight=None, reduction="mean",
+                               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, logit_scale=1.0,
+                               workspace_bytes=None):
+    torch._check(input.dim() >= 1, lambda: "linear_cross_entropy: input must have at least one dimension")
+    torch._check(linear_weight.dim() == 2, lambda: "linear_cross_entropy: linear_weight must be 2-D [V, D]")
+    torch._check(linear_weight.shape[1] == input.shape[-1],
+                 lambda: "linear_cross_entropy: linear_weight and input disagree on D")
+    torch._check(reduction in ("mean", "sum", "none"),
+                 lambda: f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '{reduction}'")
+    lse = input.new_empty(target.shape, dtype=_loss_dtype(input))
+    loss = lse.new_empty(target.shape) if reduction == "none" else lse.new_empty(())
+    return loss, lse
+
+
+@torch.library.register_fake("fused_ce::linear_cross_entropy_backward")
+def _linear_cross_entropy_backward_fake(grad_loss, grad_lse, input, linear_weight, target, linear_bias, weight, lse,
+                                        reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                                        workspace_bytes, output_mask):
+    def grad(t, needed):
+        return t.new_empty(t.shape) if needed and t is not None else input.new_empty((0,))
+
+    return grad(input, output_mask[0]), grad(linear_weight, output_mask[1]), grad(linear_bias, output_mask[2])

@@ -1,0 +1,63 @@
+"""Tile configurations and the kernel variants the build compiles.
+
+Pure data (no triton import): read by the AOT build, by the JIT launchers and by
+tests. Configurations are per architecture and measured on the device; see
+benchmarks/NOTES.md for how each entry was chosen.
+"""
+from dataclasses import dataclass
+
+KERNELS = ("row_stats", "logit_grad")
+DTYPES = ("bf16", "fp16", "fp32")
+# "aligned": unit inner strides, 16-byte aligned base pointers, row strides and D
+# multiples of 16 elements, D a multiple of BLOCK_D. "general": anything else.
+LAYOUTS = ("aligned", "general")
+DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int
+    block_v: int
+    block_d: int
+    group_n: int
+    num_warps: int
+    num_stages: int
+
+
+_HALF = {
+    # Ampere datacenter (164 KB shared memory per block).
+    80: TileConfig(128, 128, 64, 16, 8, 3),
+    # Consumer parts: ~99 KB of shared memory per block.
+    86: TileConfig(128, 128, 32, 16, 4, 4),
+    89: TileConfig(128, 128, 32, 16, 4, 4),
+    # Hopper / datacenter Blackwell: 227 KB of shared memory per block.
+    90: TileConfig(128, 128, 64, 16, 8, 4),
+    100: TileConfig(128, 128, 64, 16, 8, 4),
+    120: TileConfig(128, 128, 32, 16, 4, 4),
+}
+_FP32 = {
+    80: TileConfig(64, 64, 32, 16, 4, 3),
+    86: TileConfig(64, 64, 32, 16, 4, 3),
+    89: TileConfig(64, 64, 32, 16, 4, 3),
+    90: TileConfig(64, 128, 32, 16, 4, 3),
+    100: TileConfig(64, 128, 32, 16, 4, 3),
+    120: TileConfig(64, 64, 32, 16, 4, 3),
+}
+# Small tiles for the CPU interpreter (tests): fast there and exercise tails.
+INTERPRETER = TileConfig(16, 32, 16, 2, 4, 1)
+
+
+def tile_config(kernel: str, arch: int, dtype: str) -> TileConfig:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    table = _FP32 if dtype == "fp32" else _HALF
+    if arch in table:
+        return table[arch]
+    # Same-major fallback to the nearest lower minor we have a measurement for.
+    lower = [a for a in table if a // 10 == arch // 10 and a <= arch] or [min(table)]
+    return table[max(lower)]
+
+
+def dot_precision(dtype: str) -> str:
+    # float32 inputs must match torch's float32 matmul (no TF32 by default).
+    return "ieee" if dtype == "fp32" else "tf32"

@@ -1,0 +1,52 @@
+"""What the build produced: embedded cubins per architecture; no triton at import."""
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fused_ce
+from fused_ce.kernels import configs
+
+
+def cubin_arch(blob: bytes) -> int:
+    """The SM version in a CUDA ELF header (e_flags; layout differs by ELF ABI version)."""
+    assert blob[:4] == b"\x7fELF" and blob[4] == 2, "not a 64-bit ELF"
+    flags = struct.unpack_from("<I", blob, 48)[0]
+    abi_version = blob[8]
+    return (flags >> 8) & 0xFF if abi_version >= 8 else flags & 0xFF
+
+
+def requested_archs():
+    spec = os.environ.get("FUSED_CE_CUDA_ARCHS") or os.environ.get("TORCH_CUDA_ARCH_LIST")
+    return None if spec else list(configs.DEFAULT_ARCHS)
+
+
+def test_every_arch_embedded_as_real_cubins():
+    archs = fused_ce.cuda_archs()
+    assert archs, "the build embedded no kernels"
+    expected = requested_archs()
+    if expected is not None:
+        # the defaults: every arch up to sm_90 is mandatory; newer ones where triton can target them
+        assert {a for a in expected if a <= 90} <= set(archs)
+    for arch in archs:
+        for kernel in configs.KERNELS:
+            for dtype in configs.DTYPES:
+                for layout in configs.LAYOUTS:
+                    blob = bytes(torch.ops.fused_ce._embedded_cubin(arch, kernel, dtype, layout).tolist())
+                    assert len(blob) > 1000
+                    assert cubin_arch(blob) == arch, (kernel, dtype, layout, arch)
+
+
+def test_missing_cubin_is_an_error():
+    with pytest.raises(RuntimeError, match="no embedded cubin"):
+        torch.ops.fused_ce._embedded_cubin(12, "row_stats", "bf16", "aligned")
+
+
+def test_import_does_not_import_triton():
+    code = "import sys, fused_ce; assert 'triton' not in sys.modules, 'triton imported'; print('ok')"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr

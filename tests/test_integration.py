@@ -1,0 +1,103 @@
+"""The op under torch.library.opcheck, torch.compile, TorchScript and torch.export."""
+import pytest
+import torch
+
+import fused_ce
+from reference import make_problem, reference_loss, rel_err
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", [
+    dict(reduction="mean"),
+    dict(reduction="none", linear_bias=True),
+    dict(reduction="sum", weight=True, label_smoothing=0.1, z_loss=1e-3, softcap=3.0, logit_scale=0.7),
+], ids=["mean", "none-bias", "sum-features"])
+def test_opcheck(device, kw):
+    x, w, t, b = make_problem(24, 16, 40, device=device, bias=True)
+    kwargs = dict(kw)
+    bias = b.requires_grad_() if kwargs.pop("linear_bias", False) else None
+    weight = torch.rand(40, device=device) if kwargs.pop("weight", False) else None
+    args = (x.requires_grad_(), w.requires_grad_(), t, bias, weight)
+    torch.library.opcheck(torch.ops.fused_ce.linear_cross_entropy.default, args, kwargs)
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab, dim):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.head = fused_ce.LinearCrossEntropyLoss(dim, vocab, label_smoothing=0.05)
+
+    def forward(self, tokens, target):
+        h = torch.nn.functional.gelu(self.proj(self.embed(tokens)))
+        return self.head(h, target)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_dynamic(device):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyLM(300, 32).to(device)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    frames_after_first_shape = None
+    for batch, seq in [(2, 17), (3, 29), (5, 8)]:
+        tokens = torch.randint(0, 300, (batch, seq), device=device)
+        target = torch.randint(0, 300, (batch, seq), device=device)
+        target[:, 0] = -100
+        model.zero_grad()
+        eager = model(tokens, target)
+        eager.backward()
+        eager_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        out = compiled(tokens, target)
+        out.backward()
+        assert rel_err(out, eager) < 1e-5
+        for p, g in zip(model.parameters(), eager_grads):
+            assert rel_err(p.grad, g) < 1e-4
+        frames_after_first_shape = frames_after_first_shape or counter.frame_count
+    assert counter.frame_count == frames_after_first_shape, "a new shape recompiled"
+
+
+@torch.jit.script
+def scripted_loss(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, b: torch.Tensor):
+    loss, lse = torch.ops.fused_ce.linear_cross_entropy(x, w, t, b, None, "mean", -100, 0.1, 1e-3, 5.0, 1.0, None)
+    return loss + 0.01 * lse.mean()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torchscript_save_load_backward(device, tmp_path):
+    path = tmp_path / "loss.pt"
+    torch.jit.save(scripted_loss, str(path))
+    loaded = torch.jit.load(str(path), map_location=device)
+    x, w, t, b = make_problem(33, 24, 70, device=device, bias=True)
+    leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+    out = loaded(leaves[0], leaves[1], t, leaves[2])
+    out.backward()
+    ref_leaves = [v.double().requires_grad_() for v in (x, w, b)]
+    ref_loss, ref_lse = reference_loss(ref_leaves[0], ref_leaves[1], t, linear_bias=ref_leaves[2],
+                                       label_smoothing=0.1, z_loss=1e-3, softcap=5.0, return_lse=True)
+    ref = ref_loss + 0.01 * ref_lse.mean()
+    ref.backward()
+    assert rel_err(out, ref) < 1e-5
+    for a, r in zip(leaves, ref_leaves):
+        assert rel_err(a.grad, r.grad) < 1e-5
+
+
+def test_export():
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(50, 16) / 4)
+
+        def forward(self, x, t):
+            return fused_ce.linear_cross_entropy(x, self.w, t, reduction="none")
+
+    x, _, t, _ = make_problem(12, 16, 50)
+    m = Head()
+    ep = torch.export.export(m, (x, t))
+    assert rel_err(ep.module()(x, t), m(x, t)) < 1e-6

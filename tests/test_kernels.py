@@ -1,0 +1,91 @@
+"""The Triton kernels themselves, through triton's JIT, against a float64 reference.
+
+The same sources are compiled to the embedded cubins. Without a GPU (CI) they run
+in triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET);
+fp16/fp32 only, since the interpreter's tl.dot mishandles bf16.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from conftest import KERNEL_TEST_DEVICE as DEVICE  # noqa: E402
+from fused_ce.kernels import jit  # noqa: E402
+from reference import make_problem  # noqa: E402
+
+
+def transformed_logits(x, w, b, scale, softcap):
+    z = x.double() @ w.double().T
+    if b is not None:
+        z = z + b.double()
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+CASES = [
+    dict(N=40, D=48, V=100, dtype=torch.float32),  # D a multiple of BLOCK_D
+    dict(N=37, D=40, V=77, dtype=torch.float16, bias=True, softcap=2.0, scale=0.8),  # tails everywhere
+    dict(N=20, D=32, V=150, dtype=torch.float32, bias=True, class_weight=True, splits=3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
+def test_row_stats(case):
+    x, w, t, b = make_problem(case["N"], case["D"], case["V"], dtype=case["dtype"], bias=case.get("bias", False),
+                              device=DEVICE)
+    t = torch.where(t < 0, -1, t)
+    cw = torch.rand(case["V"], device=DEVICE) if case.get("class_weight") else None
+    scale, cap = case.get("scale", 1.0), case.get("softcap")
+    lse, zt, wz = jit.row_stats(x, w, t, bias=b, class_weight=cw, logit_scale=scale, softcap=cap, need_wz=True,
+                                num_splits=case.get("splits", 2))
+    z = transformed_logits(x, w, b, scale, cap)
+    valid = t >= 0
+    ref_zt = torch.where(valid, z.gather(1, t.clamp_min(0)[:, None])[:, 0], 0.0)
+    ref_wz = z @ (cw.double() if cw is not None else torch.ones(case["V"], dtype=torch.float64, device=DEVICE))
+    torch.testing.assert_close(lse.double(), z.logsumexp(1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(zt.double(), ref_zt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wz.double(), ref_wz, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
+def test_logit_grad(case):
+    N, D, V = case["N"], case["D"], case["V"]
+    x, w, t, b = make_problem(N, D, V, dtype=case["dtype"], bias=case.get("bias", False), device=DEVICE)
+    t = torch.where(t < 0, -1, t)
+    cw = torch.rand(V, device=DEVICE) if case.get("class_weight") else None
+    scale, cap = case.get("scale", 1.0), case.get("softcap")
+    z = transformed_logits(x, w, b, scale, cap)
+    lse = z.logsumexp(1).float()
+    alpha, beta, gamma = (torch.rand(N, device=DEVICE) * s for s in (1.0, 1.0, 0.01))
+    v0, v1 = 5, V - 3  # a column slice, as the backward's blocks are
+    g = jit.logit_grad(x, w, t, lse, alpha, beta, gamma, v0, v1, bias=b, class_weight=cw, logit_scale=scale,
+                       softcap=cap)
+    p = (z - z.logsumexp(1, keepdim=True)).exp()
+    onehot = torch.zeros(N, V, dtype=torch.float64, device=DEVICE)
+    onehot[t >= 0] = onehot[t >= 0].scatter(1, t[t >= 0, None], 1.0)
+    cwd = cw.double() if cw is not None else torch.ones(V, dtype=torch.float64, device=DEVICE)
+    ref = p * alpha.double()[:, None] - onehot * beta.double()[:, None] - gamma.double()[:, None] * cwd
+    if cap is not None:
+        ref = ref * (1 - (z / cap) ** 2)
+    ref = ref * scale
+    assert g.dtype == x.dtype and g.shape == (N, v1 - v0)
+    tol = 1e-5 if case["dtype"] == torch.float32 else 2e-3
+    torch.testing.assert_close(g.double(), ref[:, v0:v1], rtol=tol, atol=tol)
+
+
+def test_logit_grad_strided_output_and_inputs():
+    # general-layout inputs (non-unit inner stride) and a padded output buffer
+    N, D, V = 24, 32, 64
+    xs = torch.randn(N, 2 * D, device=DEVICE)[:, ::2]
+    ws = (torch.randn(D, V, device=DEVICE) / 6).T
+    t = torch.randint(0, V, (N,), device=DEVICE)
+    z = xs.double() @ ws.double().T
+    lse = z.logsumexp(1).float()
+    one, zero = torch.ones(N, device=DEVICE), torch.zeros(N, device=DEVICE)
+    buf = torch.full((N, 96), float("nan"), device=DEVICE)
+    jit.logit_grad(xs, ws, t, lse, one, one, zero, 0, V, out=buf[:, :V])
+    ref = (z - z.logsumexp(1, keepdim=True)).exp()
+    ref[torch.arange(N, device=DEVICE), t] -= 1
+    torch.testing.assert_close(buf[:, :V].double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(buf[:, V:]).all(), "wrote outside its columns"
