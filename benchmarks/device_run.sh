@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run every test, benchmark; short table last.
-#   bash benchmarks/device_run.sh [bench.py arguments]
+#   [SKIP_TESTS=1] [FEATURES=1] [DEMO=1] bash benchmarks/device_run.sh [bench.py arguments]
 # Peers that the machine lacks travel as wheels in .whl/ (see benchmarks/NOTES.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -15,5 +15,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 start=$(date +%s)
 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . 2>&1 | grep -v "WARNING: Running pip" | tail -5
 echo "build: $(( $(date +%s) - start )) s"
-${SKIP_TESTS:+false} && { python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/tests.log" | tail -25; }
+if [ -z "${SKIP_TESTS:-}" ]; then
+  python3 -m pytest -q -rs -x tests 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+if [ -n "${FEATURES:-}" ]; then
+  python3 benchmarks/bench_features.py 2>&1 | tee "$OUT/features.log" | tail -16
+fi
+if [ -n "${DEMO:-}" ]; then
+  python3 -m fused_ce.demo 2>&1 | tee "$OUT/demo.log" | tail -6
+fi
 python3 benchmarks/bench.py "$@" 2>&1 | tee "$OUT/bench.log" | tail -40

@@ -15,8 +15,8 @@ Problem Problem::rows(int64_t begin, int64_t end) const {
 }
 
 GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
-  return {lse.narrow(0, begin, end - begin), alpha.narrow(0, begin, end - begin),
-          beta.narrow(0, begin, end - begin), gamma.narrow(0, begin, end - begin)};
+  const auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
+  return {slice(lse), slice(alpha), slice(alpha_lse), slice(beta), slice(gamma)};
 }
 
 namespace {
@@ -37,49 +37,70 @@ at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
   return z;
 }
 
+// Row stats of the rows of p from their logits over the whole vocabulary.
+RowStats stats_of(const Problem& p, const at::Tensor& z, bool need_weighted_z_sum) {
+  const at::Tensor valid = p.target.ge(0);
+  RowStats s;
+  s.lse = at::logsumexp(z, 1);
+  s.target_logit = z.gather(1, at::where(valid, p.target, 0).unsqueeze(1)).squeeze(1) * valid;
+  if (need_weighted_z_sum) {
+    s.weighted_z_sum = p.class_weight.defined() ? z.matmul(p.class_weight.to(z.scalar_type())) : z.sum(1);
+  }
+  return s;
+}
+
+// g from the logits z of columns [v_begin, v_end) (consumed: g is built in its
+// storage), with c.lse set.
+at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficients& c, int64_t v_begin,
+                            int64_t v_end) {
+  const auto dtype = z.scalar_type();
+  const at::Tensor lse = c.lse.to(dtype);
+  const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * lse;
+  // softcap'(z) needs z itself: keep 1 - (z / s)^2 before z turns into g
+  const at::Tensor dcap = p.softcap ? 1 - (z / *p.softcap).square_() : at::Tensor();
+  at::Tensor g = z.sub_(lse.unsqueeze(1)).exp_().mul_(alpha.unsqueeze(1));
+  // one-hot term: only rows whose target falls in this column block
+  const at::Tensor local = p.target - v_begin;
+  const at::Tensor hit = local.ge(0).logical_and_(local.lt(v_end - v_begin));
+  g.scatter_add_(1, at::where(hit, local, 0).unsqueeze(1), (-c.beta.to(dtype) * hit).unsqueeze(1));
+  if (p.class_weight.defined()) {
+    g.sub_(c.gamma.to(dtype).unsqueeze(1) * p.class_weight.narrow(0, v_begin, v_end - v_begin).to(dtype));
+  } else {
+    g.sub_(c.gamma.to(dtype).unsqueeze(1));
+  }
+  if (dcap.defined()) g.mul_(dcap);
+  if (p.logit_scale != 1.0) g.mul_(p.logit_scale);
+  return g;
+}
+
 }  // namespace
 
 RowStats aten_row_stats(const Problem& p, bool need_weighted_z_sum, int64_t max_rows) {
   const auto opts = p.x.options().dtype(compute_dtype(p));
   RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts),
              need_weighted_z_sum ? at::empty({p.N}, opts) : at::Tensor()};
-  const at::Tensor valid = p.target.ge(0);
-  const at::Tensor safe_target = at::where(valid, p.target, 0).unsqueeze(1);
   for (int64_t r0 = 0; r0 < p.N; r0 += max_rows) {
     const int64_t r1 = std::min(p.N, r0 + max_rows);
     const Problem chunk = p.rows(r0, r1);
-    const at::Tensor z = logits(chunk, 0, p.V);
-    s.lse.narrow(0, r0, r1 - r0).copy_(at::logsumexp(z, 1));
-    const at::Tensor zt = z.gather(1, safe_target.narrow(0, r0, r1 - r0)).squeeze(1);
-    s.target_logit.narrow(0, r0, r1 - r0).copy_(zt * valid.narrow(0, r0, r1 - r0));
-    if (need_weighted_z_sum) {
-      const at::Tensor wz = p.class_weight.defined() ? z.matmul(p.class_weight.to(z.scalar_type())) : z.sum(1);
-      s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(wz);
-    }
+    const RowStats part = stats_of(chunk, logits(chunk, 0, p.V), need_weighted_z_sum);
+    s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
+    s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
+    if (need_weighted_z_sum) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
   }
   return s;
 }
 
 at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end) {
-  at::Tensor z = logits(p, v_begin, v_end);
-  const auto dtype = z.scalar_type();
-  at::Tensor g = (z - c.lse.to(dtype).unsqueeze(1)).exp_().mul_(c.alpha.to(dtype).unsqueeze(1));
-  // one-hot term: only rows whose target falls in this column block
-  const at::Tensor local = p.target - v_begin;
-  const at::Tensor hit = local.ge(0).logical_and_(local.lt(v_end - v_begin));
-  g.scatter_add_(1, at::where(hit, local, 0).unsqueeze(1),
-                 (-c.beta.to(dtype) * hit).unsqueeze(1));
-  if (p.class_weight.defined()) {
-    g.sub_(c.gamma.to(dtype).unsqueeze(1) * p.class_weight.narrow(0, v_begin, v_end - v_begin).to(dtype));
-  } else {
-    g.sub_(c.gamma.to(dtype).unsqueeze(1));
-  }
-  if (p.softcap) {
-    const at::Tensor t = z.div_(*p.softcap);
-    g.mul_(1 - t * t);
-  }
-  if (p.logit_scale != 1.0) g.mul_(p.logit_scale);
-  return g;
+  return grad_from_logits(logits(p, v_begin, v_end), p, c, v_begin, v_end);
+}
+
+std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
+                                                          bool need_weighted_z_sum) {
+  at::Tensor z = logits(p, 0, p.V);
+  RowStats s = stats_of(p, z, need_weighted_z_sum);
+  GradCoefficients with_lse = c;
+  with_lse.lse = s.lse;
+  return {s, grad_from_logits(std::move(z), p, with_lse, 0, p.V)};
 }
 
 }  // namespace fused_ce

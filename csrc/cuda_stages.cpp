@@ -2,6 +2,7 @@
 // and launches it (cuda_driver.cpp).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "cuda_driver.h"
 #include "stages.h"
@@ -30,12 +31,18 @@ bool fits_aligned(const Problem& p, const KernelVariant& v, const at::Tensor* g)
   return xw && (g == nullptr || (aligned16(*g) && g->stride(0) % 16 == 0));
 }
 
-const KernelVariant* select(const char* kernel, const Problem& p, const at::Tensor* g) {
+// `out`: the kernel's output block (logit_grad) or its stored logits (softmax_grad).
+const KernelVariant* select(const char* kernel, const Problem& p, const at::Tensor* out) {
   const char* dtype = dtype_name(p.x.scalar_type());
   if (dtype == nullptr) return nullptr;
   const int arch = device_arch(p.x.device().index());
   const KernelVariant* aligned = find_variant(kernel, dtype, "aligned", arch);
-  if (aligned != nullptr && fits_aligned(p, *aligned, g)) return aligned;
+  if (aligned != nullptr) {
+    const bool fits = std::strcmp(kernel, "softmax_grad") == 0
+                          ? out != nullptr && aligned16(*out) && out->stride(0) % 16 == 0
+                          : fits_aligned(p, *aligned, out);
+    if (fits) return aligned;
+  }
   return find_variant(kernel, dtype, "general", arch);
 }
 
@@ -58,7 +65,7 @@ KernelArgs common_args(const Problem& p) {
 
 bool cuda_kernels_available(const Problem& p) {
   return p.x.is_cuda() && select("row_stats", p, nullptr) != nullptr &&
-         select("logit_grad", p, nullptr) != nullptr;
+         select("logit_grad", p, nullptr) != nullptr && select("softmax_grad", p, nullptr) != nullptr;
 }
 
 RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum) {
@@ -92,10 +99,30 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
   TORCH_CHECK(out.scalar_type() == p.x.scalar_type() && out.stride(1) == 1, "fused_ce: bad gradient buffer");
   const KernelVariant& v = *select("logit_grad", p, &out);
   KernelArgs args = common_args(p);
-  args.ptr("lse_ptr", c.lse).ptr("alpha_ptr", c.alpha).ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma)
-      .ptr("g_ptr", out).i64("N", p.N).i64("v_begin", v_begin).i64("v_end", v_end)
+  args.ptr("lse_ptr", c.lse).ptr("alpha_ptr", c.alpha).ptr("alpha_lse_ptr", c.alpha_lse)
+      .ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma).ptr("g_ptr", out).i64("N", p.N).i64("v_begin", v_begin).i64("v_end", v_end)
       .i64("stride_gn", out.stride(0));
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * cdiv(v_end - v_begin, v.block_v), args);
+}
+
+RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
+                           bool need_weighted_z_sum) {
+  TORCH_CHECK(logits.scalar_type() == p.x.scalar_type() && logits.stride(1) == 1 && logits.size(0) == p.N &&
+                  logits.size(1) == p.V,
+              "fused_ce: bad logits buffer");
+  const KernelVariant& v = *select("softmax_grad", p, &logits);
+  at::Tensor stats = at::empty({3, p.N}, p.x.options().dtype(at::kFloat));
+  KernelArgs args;
+  args.ptr("logits_ptr", logits).ptr("cw_ptr", p.class_weight).ptr("tgt_ptr", p.target)
+      .ptr("alpha_ptr", c.alpha).ptr("alpha_lse_ptr", c.alpha_lse).ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma)
+      .ptr("lse_ptr", stats[0]).ptr("zt_ptr", stats[1]).ptr("wz_ptr", stats[2])
+      .i64("V", p.V).i64("stride_ln", logits.stride(0))
+      .f32("logit_scale", static_cast<float>(p.logit_scale))
+      .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
+      .i32("has_class_weight", p.class_weight.defined()).i32("has_softcap", p.softcap.has_value())
+      .i32("need_wz", need_weighted_z_sum);
+  launch(v, p.x.device(), p.N, args);
+  return {stats[0], stats[1], need_weighted_z_sum ? stats[2] : at::Tensor()};
 }
 
 }  // namespace fused_ce

@@ -1,17 +1,11 @@
-// fused_ce::linear_cross_entropy: schema, argument checks, the loss and its
-// gradient built from the stages (stages.h), and the autograd formula.
-//
-// The same implementation serves CPU and CUDA; on CUDA it uses the embedded
+// The loss and its gradients from the stages (stages.h), with the argument
+// checks. The same code serves CPU and CUDA; on CUDA it uses the embedded
 // Triton kernels where a cubin fits the device and the ATen stages otherwise.
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
-#include <torch/library.h>
+#include "loss.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <string>
-#include <vector>
 
 #include "cuda_driver.h"
 #include "stages.h"
@@ -32,13 +26,14 @@ struct LossOptions {
 };
 
 constexpr int64_t kDefaultCudaWorkspace = int64_t{256} << 20;
-constexpr int64_t kDefaultCpuWorkspace = int64_t{64} << 20;
+constexpr int64_t kDefaultCpuWorkspace = int64_t{16} << 20;
 
 Reduction parse_reduction(c10::string_view r) {
   if (r == "mean") return Reduction::Mean;
   if (r == "sum") return Reduction::Sum;
   if (r == "none") return Reduction::None;
   TORCH_CHECK(false, "linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '", std::string(r), "'");
+  return Reduction::Mean;  // not reached
 }
 
 LossOptions make_options(c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
@@ -147,13 +142,6 @@ bool use_kernels(const Problem& p) {
   return false;
 }
 
-RowStats row_stats(const Problem& p, const LossOptions& o) {
-  const bool need_wz = o.label_smoothing > 0.0;
-  if (use_kernels(p)) return cuda_row_stats(p, need_wz);
-  const int64_t row_bytes = p.V * c10::elementSize(loss_dtype(p));
-  return aten_row_stats(p, need_wz, std::max<int64_t>(1, workspace_bytes(p, o) / row_bytes));
-}
-
 // Per-row validity and target class weight, in the loss dtype.
 std::pair<at::Tensor, at::Tensor> row_weights(const Problem& p) {
   const auto dtype = loss_dtype(p);
@@ -171,6 +159,63 @@ at::Tensor safe_reciprocal(const at::Tensor& s) {
   return at::where(s.gt(0), s.reciprocal(), at::zeros_like(s));
 }
 
+RowStats empty_stats(const Problem& p) {
+  const auto opts = p.x.options().dtype(loss_dtype(p));
+  return {at::empty({0}, opts), at::empty({0}, opts), at::empty({0}, opts)};
+}
+
+// The loss from the row stats (torch's semantics for weights and smoothing).
+at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const RowStats& s, at::IntArrayRef target_shape) {
+  const auto [valid, wt] = row_weights(p);
+  const double eps = o.label_smoothing;
+  at::Tensor loss = (1.0 - eps) * wt * (s.lse - s.target_logit);
+  if (eps > 0.0) {
+    loss = loss + (eps / p.V) * valid * (class_weight_sum(p) * s.lse - s.weighted_z_sum);
+  }
+  const at::Tensor z_term = o.z_loss > 0.0 ? o.z_loss * valid * s.lse.square() : at::Tensor();
+  switch (o.reduction) {
+    case Reduction::None:
+      if (z_term.defined()) loss = loss + z_term;
+      return loss.reshape(target_shape);
+    case Reduction::Sum:
+      loss = loss.sum();
+      return z_term.defined() ? loss + z_term.sum() : loss;
+    case Reduction::Mean:  // like torch: weighted mean, NaN when nothing is counted
+      loss = loss.sum() / wt.sum();
+      return z_term.defined() ? loss + z_term.sum() / valid.sum() : loss;
+  }
+  return loss;
+}
+
+// The coefficients of the logit gradient (stages.h) for an upstream gradient
+// `grad_loss` (0-dim for 'mean'/'sum', [N] for 'none') and optionally one on
+// the lse; `lse` is left for the caller.
+GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const at::Tensor& grad_loss,
+                                   const std::optional<at::Tensor>& grad_lse) {
+  const auto dtype = loss_dtype(p);
+  const auto [valid, wt] = row_weights(p);
+  const double eps = o.label_smoothing;
+  at::Tensor g_ce, g_z;
+  if (o.reduction == Reduction::None) {
+    g_ce = g_z = grad_loss.reshape({p.N}).to(dtype);
+  } else {
+    const at::Tensor g = grad_loss.to(dtype).reshape({});
+    g_ce = o.reduction == Reduction::Mean ? g * safe_reciprocal(wt.sum()) : g;
+    g_z = o.reduction == Reduction::Mean ? g * safe_reciprocal(valid.sum()) : g;
+  }
+  const auto per_row = [&](const at::Tensor& t) { return t.expand({p.N}).contiguous(); };
+  at::Tensor alpha = g_ce * ((1.0 - eps) * wt + (eps / p.V) * class_weight_sum(p) * valid);
+  if (grad_lse && grad_lse->defined()) alpha = alpha + grad_lse->reshape({p.N}).to(dtype);
+  GradCoefficients c;
+  c.alpha = per_row(alpha);
+  c.alpha_lse = per_row((2.0 * o.z_loss) * g_z * valid);
+  c.beta = per_row(g_ce * (1.0 - eps) * wt);
+  c.gamma = per_row(g_ce * (eps / p.V) * valid);
+  return c;
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
@@ -179,35 +224,22 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
   const LossOptions o =
       make_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes_opt);
   const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o, /*check_targets=*/true);
-  const auto dtype = loss_dtype(p);
-  RowStats s = p.N > 0 ? row_stats(p, o)
-                       : RowStats{at::empty({0}, p.x.options().dtype(dtype)), at::empty({0}, p.x.options().dtype(dtype)),
-                                  at::empty({0}, p.x.options().dtype(dtype))};
-  const auto [valid, wt] = row_weights(p);
-  const double eps = o.label_smoothing;
-  at::Tensor loss = (1.0 - eps) * wt * (s.lse - s.target_logit);
-  if (eps > 0.0) {
-    loss = loss + (eps / p.V) * valid * (class_weight_sum(p) * s.lse - s.weighted_z_sum);
+  const bool need_wz = o.label_smoothing > 0.0;
+  RowStats s;
+  if (p.N == 0) {
+    s = empty_stats(p);
+  } else if (use_kernels(p)) {
+    s = cuda_row_stats(p, need_wz);
+  } else {
+    const int64_t row_bytes = p.V * c10::elementSize(loss_dtype(p));
+    s = aten_row_stats(p, need_wz, std::max<int64_t>(1, workspace_bytes(p, o) / row_bytes));
   }
-  at::Tensor z_term = o.z_loss > 0.0 ? o.z_loss * valid * s.lse.square() : at::Tensor();
-  switch (o.reduction) {
-    case Reduction::None:
-      if (z_term.defined()) loss = loss + z_term;
-      loss = loss.reshape(target.sizes());
-      break;
-    case Reduction::Sum:
-      loss = loss.sum();
-      if (z_term.defined()) loss = loss + z_term.sum();
-      break;
-    case Reduction::Mean:  // like torch: weighted mean, NaN when nothing is counted
-      loss = loss.sum() / wt.sum();
-      if (z_term.defined()) loss = loss + z_term.sum() / valid.sum();
-      break;
-  }
-  return {loss, s.lse.reshape(target.sizes())};
+  return {assemble_loss(p, o, s, target.sizes()), s.lse.reshape(target.sizes())};
 }
 
-// How the backward splits the work: blocks of `rows` x `cols` logits.
+namespace {
+
+// How the recomputing backward splits the work: blocks of `rows` x `cols` logits.
 struct BlockPlan {
   int64_t rows, cols;
 };
@@ -226,6 +258,27 @@ BlockPlan plan_blocks(const Problem& p, int64_t budget, bool kernels, int64_t el
   return {std::clamp<int64_t>(budget / (p.V * elem), 1, p.N), p.V};
 }
 
+// out (+)= a @ b, accumulating in out's dtype.
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (out.scalar_type() == a.scalar_type()) {
+    if (accumulate) {
+      out.addmm_(a, b);
+    } else {
+      at::mm_out(out, a, b);
+    }
+  } else if (accumulate) {
+    out.add_(at::mm(a, b));
+  } else {
+    out.copy_(at::mm(a, b));
+  }
+}
+
+at::Tensor empty_grad(const Problem& p) {
+  return at::empty({0}, p.x.options());
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse, const at::Tensor& input,
     const at::Tensor& linear_weight, const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
@@ -238,26 +291,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   const auto dtype = loss_dtype(p);
   const bool need_x = output_mask[0], need_w = output_mask[1], need_b = output_mask[2] && p.bias.defined();
 
-  // Coefficients of the logit gradient (stages.h), folding the upstream
-  // gradient and the reduction into per-row scalars.
-  const auto [valid, wt] = row_weights(p);
-  const double eps = o.label_smoothing;
-  at::Tensor g_ce, g_z;
-  if (o.reduction == Reduction::None) {
-    g_ce = g_z = grad_loss.reshape({p.N}).to(dtype);
-  } else {
-    const at::Tensor g = grad_loss.to(dtype).reshape({});
-    g_ce = o.reduction == Reduction::Mean ? g * safe_reciprocal(wt.sum()) : g;
-    g_z = o.reduction == Reduction::Mean ? g * safe_reciprocal(valid.sum()) : g;
-  }
-  GradCoefficients c;
+  GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse);
   c.lse = lse.reshape({p.N}).to(dtype).contiguous();
-  at::Tensor alpha = g_ce * ((1.0 - eps) * wt + (eps / p.V) * class_weight_sum(p) * valid);
-  if (o.z_loss > 0.0) alpha = alpha + (2.0 * o.z_loss) * g_z * c.lse * valid;
-  if (grad_lse && grad_lse->defined()) alpha = alpha + grad_lse->reshape({p.N}).to(dtype);
-  c.alpha = alpha.expand({p.N}).contiguous();
-  c.beta = (g_ce * (1.0 - eps) * wt).expand({p.N}).contiguous();
-  c.gamma = (g_ce * (eps / p.V) * valid).expand({p.N}).contiguous();
 
   const bool kernels = use_kernels(p);
   const auto gemm_dtype = kernels ? p.x.scalar_type() : dtype;
@@ -269,25 +304,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   // Gradients accumulate across blocks in float32 where there is more than one
   // block along the reduced dimension.
   const auto opts = p.x.options();
-  const auto acc_dtype = [&](int64_t blocks) { return blocks > 1 ? at::promote_types(gemm_dtype, at::kFloat) : gemm_dtype; };
-  at::Tensor grad_x = need_x ? at::zeros({p.N, p.D}, opts.dtype(acc_dtype(col_blocks))) : at::Tensor();
-  at::Tensor grad_w = need_w ? at::zeros({p.V, p.D}, opts.dtype(acc_dtype(row_blocks))) : at::Tensor();
+  const auto acc_dtype = [&](int64_t blocks) {
+    return blocks > 1 ? at::promote_types(gemm_dtype, at::kFloat) : gemm_dtype;
+  };
+  at::Tensor grad_x = need_x ? at::empty({p.N, p.D}, opts.dtype(acc_dtype(col_blocks))) : at::Tensor();
+  at::Tensor grad_w = need_w ? at::empty({p.V, p.D}, opts.dtype(acc_dtype(row_blocks))) : at::Tensor();
   at::Tensor grad_b = need_b ? at::zeros({p.V}, opts.dtype(dtype)) : at::Tensor();
+  if (need_x && p.V == 0) grad_x.zero_();
+  if (need_w && p.N == 0) grad_w.zero_();
   const at::Tensor x = p.x.to(gemm_dtype);
   const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor block_buffer;
-  if (kernels && p.N > 0) {
+  if (kernels) {
     const int64_t ld = (plan.cols + 63) / 64 * 64;  // aligned rows for the kernel's stores and for cuBLAS
     block_buffer = at::empty({plan.rows, ld}, opts.dtype(gemm_dtype));
   }
-  const auto accumulate = [](at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
-    if (out.scalar_type() == a.scalar_type()) {
-      out.addmm_(a, b);
-    } else {
-      out.add_(at::mm(a, b));
-    }
-  };
-
   for (int64_t r0 = 0; r0 < p.N && (need_x || need_w || need_b); r0 += plan.rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.rows);
     const Problem pr = p.rows(r0, r1);
@@ -301,140 +332,94 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
       } else {
         g = aten_logit_grad(pr, cr, v0, v1).to(gemm_dtype);
       }
-      if (need_x) accumulate(grad_x.narrow(0, r0, r1 - r0), g, w.narrow(0, v0, v1 - v0));
-      if (need_w) accumulate(grad_w.narrow(0, v0, v1 - v0), g.t(), x.narrow(0, r0, r1 - r0));
+      if (need_x) gemm_into(grad_x.narrow(0, r0, r1 - r0), g, w.narrow(0, v0, v1 - v0), v0 > 0);
+      if (need_w) gemm_into(grad_w.narrow(0, v0, v1 - v0), g.t(), x.narrow(0, r0, r1 - r0), r0 > 0);
       if (need_b) grad_b.narrow(0, v0, v1 - v0).add_(g.sum(0, false, dtype));
     }
   }
-  const at::Tensor empty = at::empty({0}, opts);
-  return {need_x ? grad_x.to(input.scalar_type()).reshape(input.sizes()) : empty,
-          need_w ? grad_w.to(linear_weight.scalar_type()) : empty,
-          need_b ? grad_b.to(p.bias.scalar_type()) : empty};
+  return {need_x ? grad_x.to(input.scalar_type()).reshape(input.sizes()) : empty_grad(p),
+          need_w ? grad_w.to(linear_weight.scalar_type()) : empty_grad(p),
+          need_b ? grad_b.to(p.bias.scalar_type()) : empty_grad(p)};
 }
 
-// Autograd: the loss and the lse are differentiable in input, linear_weight
-// and linear_bias; the backward is its own op so that torch.compile and
-// TorchScript see it too.
-class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
- public:
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& linear_weight,
-      const at::Tensor& target, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-      c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
-      std::optional<double> softcap, double logit_scale, std::optional<int64_t> workspace_bytes) {
-    const bool has_bias = linear_bias && linear_bias->defined();
-    ctx->saved_data["needs_grad"] = std::vector<bool>{input.requires_grad(), linear_weight.requires_grad(),
-                                                      has_bias && linear_bias->requires_grad()};
-    ctx->saved_data["reduction"] = std::string(reduction);
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["z_loss"] = z_loss;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["logit_scale"] = logit_scale;
-    ctx->saved_data["workspace_bytes"] = workspace_bytes;
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fused_ce::linear_cross_entropy", "")
-                         .typed<decltype(linear_cross_entropy)>();
-    auto [loss, lse] = op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                               label_smoothing, z_loss, softcap, logit_scale, workspace_bytes);
-    ctx->save_for_backward({input, linear_weight, target, has_bias ? *linear_bias : at::Tensor(),
-                            weight ? *weight : at::Tensor(), lse});
-    return {loss, lse};
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto& input = saved[0];
-    const auto& lse = saved[5];
-    const std::string reduction = ctx->saved_data["reduction"].toStringRef();
-    at::Tensor grad_loss = grads[0];
-    if (!grad_loss.defined()) {
-      grad_loss = reduction == "none" ? at::zeros_like(lse) : at::zeros({}, lse.options());
-    }
-    const auto needs = ctx->saved_data["needs_grad"].toBoolList();
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fused_ce::linear_cross_entropy_backward", "")
-                         .typed<decltype(linear_cross_entropy_backward)>();
-    const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-    auto [grad_x, grad_w, grad_b] = op.call(
-        grad_loss, opt(grads[1]), input, saved[1], saved[2], opt(saved[3]), opt(saved[4]), lse, reduction,
-        ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["label_smoothing"].toDouble(),
-        ctx->saved_data["z_loss"].toDouble(), ctx->saved_data["softcap"].toOptional<double>(),
-        ctx->saved_data["logit_scale"].toDouble(), ctx->saved_data["workspace_bytes"].toOptional<int64_t>(),
-        {needs[0], needs[1], needs[2]});
-    return {needs[0] ? grad_x : at::Tensor(), needs[1] ? grad_w : at::Tensor(), at::Tensor(),
-            needs[2] ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_grad(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap, double logit_scale,
-    std::optional<int64_t> workspace_bytes) {
-  auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias, weight, reduction,
-                                               ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-                                               workspace_bytes);
-  return {out[0], out[1]};
-}
+    std::optional<int64_t> workspace_bytes_opt, std::array<bool, 3> output_mask) {
+  const LossOptions o =
+      make_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes_opt);
+  TORCH_CHECK(o.reduction != Reduction::None,
+              "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
+  const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o, /*check_targets=*/true);
+  const auto dtype = loss_dtype(p);
+  const bool need_x = output_mask[0], need_w = output_mask[1], need_b = output_mask[2] && p.bias.defined();
+  const bool need_wz = o.label_smoothing > 0.0;
+  const GradCoefficients c = grad_coefficients(p, o, at::ones({}, p.x.options().dtype(dtype)), std::nullopt);
 
-// What the build embedded: architectures, and one cubin's bytes (for tests).
-std::vector<int64_t> embedded_archs() {
-  std::vector<int64_t> archs;
-  for (int i = 0; i < kNumKernelVariants; ++i) {
-    if (std::find(archs.begin(), archs.end(), kKernelVariants[i].arch) == archs.end()) {
-      archs.push_back(kKernelVariants[i].arch);
-    }
+  const bool kernels = use_kernels(p);
+  if (kernels && p.x.scalar_type() == at::kHalf) {
+    // Stored float16 logits could overflow: recompute them in float32 tiles instead.
+    auto [loss, lse] = linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
+                                            ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                                            workspace_bytes_opt);
+    auto [gx, gw, gb] = linear_cross_entropy_backward(at::ones({}, lse.options()), std::nullopt, input,
+                                                      linear_weight, target, linear_bias, weight, lse, reduction,
+                                                      ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                                                      workspace_bytes_opt, output_mask);
+    return {loss, lse, gx, gw, gb};
   }
-  std::sort(archs.begin(), archs.end());
-  return archs;
-}
-
-at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_view dtype, c10::string_view layout) {
-  for (int i = 0; i < kNumKernelVariants; ++i) {
-    const KernelVariant& v = kKernelVariants[i];
-    if (v.arch == arch && kernel == v.kernel && dtype == v.dtype && layout == v.layout) {
-      const auto size = static_cast<int64_t>(v.cubin_end - v.cubin_begin);
-      return at::from_blob(const_cast<unsigned char*>(v.cubin_begin), {size}, at::kByte).clone();
-    }
+  // Blocks of whole vocabulary rows: each row's gradient is final once its
+  // block is done, so grad_input is written once; grad_weight accumulates over
+  // blocks (float32 on the ATen path; in the weight's dtype with the kernels,
+  // as cuBLAS's addmm does, to stay within the workspace).
+  const auto gemm_dtype = kernels ? p.x.scalar_type() : dtype;
+  const int64_t elem = c10::elementSize(gemm_dtype);
+  const int64_t rows = std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
+  const int64_t row_blocks = (p.N + rows - 1) / rows;
+  const auto opts = p.x.options();
+  at::Tensor grad_x = need_x ? at::empty({p.N, p.D}, opts.dtype(gemm_dtype)) : at::Tensor();
+  const auto w_acc = kernels || row_blocks <= 1 ? gemm_dtype : at::promote_types(gemm_dtype, at::kFloat);
+  at::Tensor grad_w = need_w ? at::empty({p.V, p.D}, opts.dtype(w_acc)) : at::Tensor();
+  at::Tensor grad_b = need_b ? at::zeros({p.V}, opts.dtype(dtype)) : at::Tensor();
+  if (need_w && p.N == 0) grad_w.zero_();
+  RowStats s = empty_stats(p);
+  if (p.N > 0) {
+    const auto sopts = opts.dtype(dtype);
+    s = {at::empty({p.N}, sopts), at::empty({p.N}, sopts), need_wz ? at::empty({p.N}, sopts) : at::Tensor()};
   }
-  TORCH_CHECK(false, "fused_ce: no embedded cubin for sm_", arch, " ", std::string(kernel), "/", std::string(dtype),
-              "/", std::string(layout));
-}
-
-}  // namespace
-
-TORCH_LIBRARY(fused_ce, m) {
-  m.def(
-      "linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, "
-      "Tensor? weight=None, str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, "
-      "float z_loss=0.0, float? softcap=None, float logit_scale=1.0, int? workspace_bytes=None) -> (Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor linear_weight, "
-      "Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, str reduction, int ignore_index, "
-      "float label_smoothing, float z_loss, float? softcap, float logit_scale, int? workspace_bytes, "
-      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
-  m.def("_embedded_archs() -> int[]", &embedded_archs);
-  m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
-}
-
-TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
-  m.impl("linear_cross_entropy", &linear_cross_entropy);
-  m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
-}
-
-TORCH_LIBRARY_IMPL(fused_ce, CUDA, m) {
-  m.impl("linear_cross_entropy", &linear_cross_entropy);
-  m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
-}
-
-TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
-  m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
+  const at::Tensor x = p.x.to(gemm_dtype);
+  const at::Tensor w = p.w.to(gemm_dtype);
+  at::Tensor logits_buffer = kernels ? at::empty({rows, p.V}, opts.dtype(gemm_dtype)) : at::Tensor();
+  for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
+    const int64_t r1 = std::min(p.N, r0 + rows);
+    const Problem pr = p.rows(r0, r1);
+    const GradCoefficients cr = c.rows(r0, r1);
+    RowStats part;
+    at::Tensor g;
+    if (kernels) {
+      g = logits_buffer.narrow(0, 0, r1 - r0);
+      if (p.bias.defined()) {
+        at::addmm_out(g, p.bias, pr.x, p.w.t());
+      } else {
+        at::mm_out(g, pr.x, p.w.t());
+      }
+      part = cuda_softmax_grad(pr, cr, g, need_wz);
+    } else {
+      std::tie(part, g) = aten_stats_and_logit_grad(pr, cr, need_wz);
+      g = g.to(gemm_dtype);
+    }
+    s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
+    s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
+    if (need_wz) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
+    if (need_x) gemm_into(grad_x.narrow(0, r0, r1 - r0), g, w, /*accumulate=*/false);
+    if (need_w) gemm_into(grad_w, g.t(), x.narrow(0, r0, r1 - r0), r0 > 0);
+    if (need_b) grad_b.add_(g.sum(0, false, dtype));
+  }
+  return {assemble_loss(p, o, s, target.sizes()), s.lse.reshape(target.sizes()),
+          need_x ? grad_x.to(input.scalar_type()).reshape(input.sizes()) : empty_grad(p),
+          need_w ? grad_w.to(linear_weight.scalar_type()) : empty_grad(p),
+          need_b ? grad_b.to(p.bias.scalar_type()) : empty_grad(p)};
 }
 
 }  // namespace fused_ce

@@ -35,9 +35,11 @@ struct RowStats {
 };
 
 // Per-row coefficients of the logit gradient:
-//   g = logit_scale * softcap'(z) * (p * alpha - beta * onehot(target) - gamma * class_weight)
+//   g = logit_scale * softcap'(z) * (p * (alpha + alpha_lse * lse) - beta * onehot(target) - gamma * class_weight)
+// (the z-loss term is proportional to the lse, which the fused forward only
+// knows inside the kernel). `lse` may be undefined where the stage computes it.
 struct GradCoefficients {
-  at::Tensor lse, alpha, beta, gamma;  // [N] float32 contiguous
+  at::Tensor lse, alpha, alpha_lse, beta, gamma;  // [N] float32 contiguous
   GradCoefficients rows(int64_t begin, int64_t end) const;
 };
 
@@ -47,6 +49,10 @@ RowStats aten_row_stats(const Problem& p, bool need_weighted_z_sum, int64_t max_
 // Returns g for all rows of `p` and columns [v_begin, v_end), as float32
 // (float64 for float64 inputs).
 at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end);
+// Forward with gradient: the row stats of all rows of `p` and g over the whole
+// vocabulary, from one evaluation of the logits (c.lse unused).
+std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
+                                                          bool need_weighted_z_sum);
 
 // Triton kernels (CUDA). Return false where no embedded cubin fits the device;
 // the caller then falls back to the ATen stages.
@@ -56,5 +62,10 @@ RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum);
 // into `out` ([N, >= v_end - v_begin], unit column stride).
 void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
                      const at::Tensor& out);
+// Forward with gradient: `logits` holds the raw logits x @ w.T + b of all rows
+// of `p` ([N, V], input dtype, unit column stride) and is overwritten with g;
+// returns the row stats (c.lse unused).
+RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
+                           bool need_weighted_z_sum);
 
 }  // namespace fused_ce

@@ -29,3 +29,15 @@ def _linear_cross_entropy_backward_fake(grad_loss, grad_lse, input, linear_weigh
         return t.new_empty(t.shape) if needed and t is not None else input.new_empty((0,))
 
     return grad(input, output_mask[0]), grad(linear_weight, output_mask[1]), grad(linear_bias, output_mask[2])
+
+
+@torch.library.register_fake("fused_ce::linear_cross_entropy_with_grad")
+def _linear_cross_entropy_with_grad_fake(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                         label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, output_mask):
+    torch._check(reduction in ("mean", "sum"),
+                 lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'")
+    loss, lse = _linear_cross_entropy_fake(input, linear_weight, target, linear_bias, weight, reduction)
+    grads = _linear_cross_entropy_backward_fake(None, None, input, linear_weight, target, linear_bias, weight, lse,
+                                                reduction, ignore_index, label_smoothing, z_loss, softcap,
+                                                logit_scale, workspace_bytes, output_mask)
+    return (loss, lse, *grads)

@@ -8,6 +8,9 @@ import torch
 # a GPU machine those tests JIT-compile the kernels for the GPU instead.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# cuBLAS is deterministic only with a fixed workspace; torch requires this under
+# torch.use_deterministic_algorithms(True) (test_features.py).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 

@@ -27,7 +27,7 @@ CASES = [
     dict(N=40, D=48, V=100, dtype=torch.float32),  # D a multiple of BLOCK_D
     dict(N=37, D=40, V=77, dtype=torch.float16, bias=True, softcap=2.0, scale=0.8),  # tails everywhere
     dict(N=20, D=32, V=150, dtype=torch.float32, bias=True, class_weight=True, splits=3),
-]
+] + ([dict(N=300, D=128, V=1000, dtype=torch.bfloat16, bias=True, softcap=10.0)] if DEVICE == "cuda" else [])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
@@ -59,8 +59,10 @@ def test_logit_grad(case):
     lse = z.logsumexp(1).float()
     alpha, beta, gamma = (torch.rand(N, device=DEVICE) * s for s in (1.0, 1.0, 0.01))
     v0, v1 = 5, V - 3  # a column slice, as the backward's blocks are
-    g = jit.logit_grad(x, w, t, lse, alpha, beta, gamma, v0, v1, bias=b, class_weight=cw, logit_scale=scale,
-                       softcap=cap)
+    alpha_lse = torch.rand(N, device=DEVICE) * 0.1
+    g = jit.logit_grad(x, w, t, lse, alpha, alpha_lse, beta, gamma, v0, v1, bias=b, class_weight=cw,
+                       logit_scale=scale, softcap=cap)
+    alpha = alpha + alpha_lse * lse
     p = (z - z.logsumexp(1, keepdim=True)).exp()
     onehot = torch.zeros(N, V, dtype=torch.float64, device=DEVICE)
     onehot[t >= 0] = onehot[t >= 0].scatter(1, t[t >= 0, None], 1.0)
@@ -70,7 +72,7 @@ def test_logit_grad(case):
         ref = ref * (1 - (z / cap) ** 2)
     ref = ref * scale
     assert g.dtype == x.dtype and g.shape == (N, v1 - v0)
-    tol = 1e-5 if case["dtype"] == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[case["dtype"]]
     torch.testing.assert_close(g.double(), ref[:, v0:v1], rtol=tol, atol=tol)
 
 
@@ -84,8 +86,46 @@ def test_logit_grad_strided_output_and_inputs():
     lse = z.logsumexp(1).float()
     one, zero = torch.ones(N, device=DEVICE), torch.zeros(N, device=DEVICE)
     buf = torch.full((N, 96), float("nan"), device=DEVICE)
-    jit.logit_grad(xs, ws, t, lse, one, one, zero, 0, V, out=buf[:, :V])
+    jit.logit_grad(xs, ws, t, lse, one, zero, one, zero, 0, V, out=buf[:, :V])
     ref = (z - z.logsumexp(1, keepdim=True)).exp()
     ref[torch.arange(N, device=DEVICE), t] -= 1
     torch.testing.assert_close(buf[:, :V].double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.isnan(buf[:, V:]).all(), "wrote outside its columns"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
+def test_softmax_grad(case):
+    N, D, V = case["N"], case["D"], case["V"]
+    x, w, t, b = make_problem(N, D, V, dtype=case["dtype"], bias=case.get("bias", False), device=DEVICE)
+    t = torch.where(t < 0, -1, t)
+    cw = torch.rand(V, device=DEVICE) if case.get("class_weight") else None
+    scale, cap = case.get("scale", 1.0), case.get("softcap")
+    raw = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    stored = torch.full((N, V + 7), float("nan"), dtype=x.dtype, device=DEVICE)  # padded rows
+    logits = stored[:, :V]
+    logits.copy_(raw)
+    alpha, alpha_lse, beta = (torch.rand(N, device=DEVICE) for _ in range(3))
+    gamma = torch.rand(N, device=DEVICE) * 0.01
+    lse, zt, wz = jit.softmax_grad(logits, t, alpha, alpha_lse, beta, gamma, class_weight=cw, logit_scale=scale,
+                                   softcap=cap, need_wz=True)
+    # reference from the logits as stored (rounded to the input dtype), like the kernel sees them
+    zs = raw.to(x.dtype).double() * scale
+    if cap is not None:
+        zs = cap * torch.tanh(zs / cap)
+    ref_lse = zs.logsumexp(1)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[case["dtype"]]
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    ref_zt = torch.where(t >= 0, zs.gather(1, t.clamp_min(0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(zt.double(), ref_zt, rtol=1e-5, atol=1e-5)
+    cwd = cw.double() if cw is not None else torch.ones(V, dtype=torch.float64, device=DEVICE)
+    torch.testing.assert_close(wz.double(), zs @ cwd, rtol=1e-4, atol=1e-4)
+    p = (zs - ref_lse[:, None]).exp()
+    onehot = torch.zeros(N, V, dtype=torch.float64, device=DEVICE)
+    onehot[t >= 0] = onehot[t >= 0].scatter(1, t[t >= 0, None], 1.0)
+    a = alpha.double() + alpha_lse.double() * ref_lse
+    ref = p * a[:, None] - onehot * beta.double()[:, None] - gamma.double()[:, None] * cwd
+    if cap is not None:
+        ref = ref * (1 - (zs / cap) ** 2)
+    ref = ref * scale
+    torch.testing.assert_close(logits.double(), ref, rtol=tol, atol=tol)
+    assert torch.isnan(stored[:, V:]).all(), "wrote past the row"

@@ -53,17 +53,26 @@ _SIGNATURES = {
     ],
     "logit_grad": [
         ("x_ptr", "*T"), ("w_ptr", "*T"), ("b_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"),
-        ("lse_ptr", "*fp32"), ("alpha_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
-        ("g_ptr", "*T"),
+        ("lse_ptr", "*fp32"), ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"),
+        ("gamma_ptr", "*fp32"), ("g_ptr", "*T"),
         ("N", "i64"), ("v_begin", "i64"), ("v_end", "i64"), ("D", "i64"),
         ("stride_xn", "i64"), ("stride_xd", "i64"), ("stride_wv", "i64"), ("stride_wd", "i64"),
         ("stride_gn", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"),
     ],
+    "softmax_grad": [
+        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"),
+        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
+        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
+        ("V", "i64"), ("stride_ln", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("need_wz", "i32"),
+    ],
 }
 # What the "aligned" layout may assume (checked at run time by csrc/cuda_ops.cpp).
-_ALIGNED_DIVISIBLE_16 = {"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv", "g_ptr", "stride_gn"}
+_ALIGNED_DIVISIBLE_16 = {"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv", "g_ptr", "stride_gn", "logits_ptr",
+                         "stride_ln"}
 _ALIGNED_UNIT = {"stride_xd", "stride_wd"}
 
 
@@ -74,7 +83,6 @@ def kernel_function(name):
 
 def variant_spec(kernel, dtype, layout, arch):
     """(signature, constexprs, attrs, launch params, options) for one variant."""
-    cfg = configs.tile_config(kernel, arch, dtype)
     fn = kernel_function(kernel)
     sig = _SIGNATURES[kernel]
     constexpr_names = [n for n in fn.arg_names if n not in dict(sig)]
@@ -82,10 +90,17 @@ def variant_spec(kernel, dtype, layout, arch):
     if list(fn.arg_names) != expected:
         raise RuntimeError(f"{kernel}: kernel arguments {fn.arg_names} do not match the AOT signature {expected}")
     aligned = layout == "aligned"
-    constexprs = {
-        "BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d, "GROUP_N": cfg.group_n,
-        "EVEN_D": aligned, "DOT_PRECISION": configs.dot_precision(dtype),
-    }
+    if kernel in configs.GEMM_KERNELS:
+        cfg = configs.tile_config(kernel, arch, dtype)
+        constexprs = {
+            "BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d, "GROUP_N": cfg.group_n,
+            "EVEN_D": aligned, "DOT_PRECISION": configs.dot_precision(dtype),
+        }
+        blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d, group_n=cfg.group_n)
+    else:
+        cfg = configs.row_config(arch, dtype)
+        constexprs = {"BLOCK": cfg.block}
+        blocks = dict(block_n=1, block_v=cfg.block, block_d=0, group_n=0)
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
     for i, (name, ty) in enumerate(sig):
         ty = ty.replace("T", dtype)
@@ -101,7 +116,7 @@ def variant_spec(kernel, dtype, layout, arch):
         signature[name] = "constexpr"
     # FP fusion stated explicitly: triton's default for it changes in 3.10.
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
-    return fn, signature, constexprs, attrs, params, options, cfg
+    return fn, signature, constexprs, attrs, params, options, blocks
 
 
 def _count_ptx_params(ptx, function):
@@ -115,7 +130,7 @@ def compile_variant(kernel, dtype, layout, arch, out_dir):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    fn, signature, constexprs, attrs, params, options, cfg = variant_spec(kernel, dtype, layout, arch)
+    fn, signature, constexprs, attrs, params, options, blocks = variant_spec(kernel, dtype, layout, arch)
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -135,9 +150,7 @@ def compile_variant(kernel, dtype, layout, arch, out_dir):
     return {
         "kernel": kernel, "dtype": dtype, "layout": layout, "arch": arch,
         "cubin": str(path.resolve()), "function": meta.name, "shared": int(meta.shared),
-        "num_warps": cfg.num_warps, "block_n": cfg.block_n, "block_v": cfg.block_v,
-        "block_d": cfg.block_d, "group_n": cfg.group_n,
-        "params": params, "extra_params": total_params - len(params),
+        "num_warps": options["num_warps"], **blocks, "params": params, "extra_params": total_params - len(params),
     }
 
 

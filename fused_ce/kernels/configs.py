@@ -6,7 +6,9 @@ benchmarks/NOTES.md for how each entry was chosen.
 """
 from dataclasses import dataclass
 
-KERNELS = ("row_stats", "logit_grad")
+GEMM_KERNELS = ("row_stats", "logit_grad")  # logits tiles from tl.dot; TileConfig
+ROW_KERNELS = ("softmax_grad",)  # one program per row of stored logits; RowConfig
+KERNELS = GEMM_KERNELS + ROW_KERNELS
 DTYPES = ("bf16", "fp16", "fp32")
 # "aligned": unit inner strides, 16-byte aligned base pointers, row strides and D
 # multiples of 16 elements, D a multiple of BLOCK_D. "general": anything else.
@@ -43,13 +45,26 @@ _FP32 = {
     100: TileConfig(64, 128, 32, 16, 4, 3),
     120: TileConfig(64, 64, 32, 16, 4, 3),
 }
+@dataclass(frozen=True)
+class RowConfig:
+    block: int
+    num_warps: int
+    num_stages: int = 1
+
+
 # Small tiles for the CPU interpreter (tests): fast there and exercise tails.
 INTERPRETER = TileConfig(16, 32, 16, 2, 4, 1)
+INTERPRETER_ROW = RowConfig(64, 4)
+
+
+def row_config(arch: int, dtype: str) -> RowConfig:
+    # Memory-bound: 16-byte accesses per thread and enough of them in flight.
+    return RowConfig(4096 if dtype != "fp32" else 2048, 8)
 
 
 def tile_config(kernel: str, arch: int, dtype: str) -> TileConfig:
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}")
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"unknown GEMM kernel {kernel!r}")
     table = _FP32 if dtype == "fp32" else _HALF
     if arch in table:
         return table[arch]

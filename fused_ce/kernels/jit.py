@@ -9,6 +9,7 @@ import triton
 from . import configs
 from .logit_grad import logit_grad_kernel
 from .row_stats import row_stats_kernel
+from .softmax_grad import softmax_grad_kernel
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -57,8 +58,8 @@ def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, so
     return lse, partial[2].sum(0), partial[3].sum(0) if need_wz else None
 
 
-def logit_grad(x, w, target, lse, alpha, beta, gamma, v_begin, v_end, *, bias=None, class_weight=None,
-               logit_scale=1.0, softcap=None, out=None):
+def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end, *, bias=None,
+               class_weight=None, logit_scale=1.0, softcap=None, out=None):
     """The logit gradient (see logit_grad.py) for all rows and columns [v_begin, v_end)."""
     cfg = _config("logit_grad", x)
     N = x.shape[0]
@@ -66,6 +67,25 @@ def logit_grad(x, w, target, lse, alpha, beta, gamma, v_begin, v_end, *, bias=No
         out = torch.empty(N, v_end - v_begin, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(v_end - v_begin, cfg.block_v),)
     logit_grad_kernel[grid](
-        lse_ptr=lse, alpha_ptr=alpha, beta_ptr=beta, gamma_ptr=gamma, g_ptr=out, N=N, v_begin=v_begin, v_end=v_end,
-        stride_gn=out.stride(0), **_common(x, w, target, bias, class_weight, logit_scale, softcap, cfg))
+        lse_ptr=lse, alpha_ptr=alpha, alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, g_ptr=out, N=N,
+        v_begin=v_begin, v_end=v_end, stride_gn=out.stride(0),
+        **_common(x, w, target, bias, class_weight, logit_scale, softcap, cfg))
     return out
+
+
+def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=None, logit_scale=1.0,
+                 softcap=None, need_wz=False):
+    """Turns stored raw logits [N, V] into their gradient in place; returns (lse, target_logit, weighted_z_sum)."""
+    N, V = logits.shape
+    if logits.is_cuda:
+        major, minor = torch.cuda.get_device_capability(logits.device)
+        cfg = configs.row_config(major * 10 + minor, _DTYPES[logits.dtype])
+    else:
+        cfg = configs.INTERPRETER_ROW
+    stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
+    softmax_grad_kernel[(N,)](
+        logits, target if class_weight is None else class_weight, target, alpha, alpha_lse, beta, gamma,
+        stats[0], stats[1], stats[2], V, logits.stride(0), float(logit_scale), float(softcap or 1.0),
+        int(class_weight is not None), int(softcap is not None), int(need_wz),
+        BLOCK=cfg.block, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return stats[0], stats[1], stats[2] if need_wz else None

@@ -3,7 +3,7 @@
 For a block of rows and a slice of the vocabulary [v_begin, v_end) this recomputes
 the logits tile, and writes
 
-    g[r, c] = logit_scale * softcap'(z) * (p[r, c] * alpha[r]
+    g[r, c] = logit_scale * softcap'(z) * (p[r, c] * (alpha[r] + alpha_lse[r] * lse[r])
                                            - beta[r] * (c == target[r])
                                            - gamma[r] * class_weight[c])
 
@@ -21,7 +21,7 @@ from .tile import logits_tile, tile_coords, transform_logits
 @triton.jit
 def logit_grad_kernel(
     x_ptr, w_ptr, b_ptr, cw_ptr, tgt_ptr,
-    lse_ptr, alpha_ptr, beta_ptr, gamma_ptr, g_ptr,
+    lse_ptr, alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr, g_ptr,
     N, v_begin, v_end, D,
     stride_xn, stride_xd, stride_wv, stride_wd, stride_gn,
     logit_scale, softcap,
@@ -45,7 +45,7 @@ def logit_grad_kernel(
     z = transform_logits(acc, b_ptr, cols_in, logit_scale, softcap, has_bias, has_softcap)
 
     lse = tl.load(lse_ptr + rows_in)
-    alpha = tl.load(alpha_ptr + rows_in)
+    alpha = tl.load(alpha_ptr + rows_in) + tl.load(alpha_lse_ptr + rows_in) * lse
     beta = tl.load(beta_ptr + rows_in)
     gamma = tl.load(gamma_ptr + rows_in)
     tgt = tl.load(tgt_ptr + rows_in)

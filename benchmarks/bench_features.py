@@ -1,0 +1,96 @@
+"""What each loss feature costs: fused_ce fwd+bwd time with each keyword against the plain loss.
+
+    python benchmarks/bench_features.py [--shape A] [--repeat 10]
+
+bf16 at shape A (N=16384, D=4096, V=128256) by default, inputs as in bench.py.
+Prints a table and writes features.json and features.png to --out.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench import SHAPES, cuda_time_ms, environment, make_inputs  # noqa: E402
+
+import fused_ce  # noqa: E402
+
+
+def features(V, device):
+    cw = torch.rand(V, device=device) + 0.5
+    return {
+        "plain": {},
+        "weight": dict(weight=cw),
+        "label_smoothing": dict(label_smoothing=0.1),
+        "weight+label_smoothing": dict(weight=cw, label_smoothing=0.1),
+        "z_loss": dict(z_loss=1e-4),
+        "softcap": dict(softcap=30.0),
+        "logit_scale": dict(logit_scale=0.5),
+        "bias": dict(bias=True),
+        "return_lse (lse in the loss)": dict(return_lse=True),
+        "reduction='none'": dict(reduction="none"),
+        "all of the above but none": dict(weight=cw, label_smoothing=0.1, z_loss=1e-4, softcap=30.0,
+                                          logit_scale=0.5, bias=True),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="A")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    N, D, V = SHAPES[args.shape]
+    x, w, t = make_inputs(N, D, V, "cuda")
+    bias = (torch.randn(V, device="cuda") * 0.1).to(x.dtype)
+    xl, wl, bl = (v.detach().requires_grad_() for v in (x, w, bias))
+    rows = []
+    for name, kw in features(V, "cuda").items():
+        kw = dict(kw)
+        use_bias = kw.pop("bias", False)
+        return_lse = kw.get("return_lse", False)
+
+        def step():
+            xl.grad = wl.grad = bl.grad = None
+            out = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl if use_bias else None, **kw)
+            if return_lse:
+                out = out[0] + 1e-4 * out[1].float().mean()
+            elif out.dim():
+                out = out.sum() / N
+            out.backward()
+
+        ms = cuda_time_ms(step, args.warmup, args.repeat)
+        rows.append(dict(feature=name, ms=ms))
+    base = rows[0]["ms"]
+    env = environment()
+    print(f"\n{env['date']} {env['device']} torch {env['torch']}; shape {args.shape} (N={N}, D={D}, V={V}) bf16, "
+          f"fwd+bwd, median of {args.repeat}")
+    print("| feature | ms | cost vs plain |\n|---|---|---|")
+    for r in rows:
+        r["overhead"] = r["ms"] / base - 1
+        print(f"| {r['feature']} | {r['ms']:.2f} | {100 * r['overhead']:+.1f}% |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "features.json").write_text(json.dumps(dict(env=env, shape=args.shape, rows=rows), indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.barh([r["feature"] for r in rows], [100 * r["overhead"] for r in rows])
+        ax.axvline(5, color="k", ls="--", lw=1)
+        ax.set(xlabel="% over the plain loss (fwd+bwd)", title=f"fused_ce feature cost, shape {args.shape}, bf16")
+        fig.tight_layout()
+        fig.savefig(out / "features.png", dpi=120)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Forward-with-gradient stage: a block of stored logits becomes its gradient, in place.
+
+Used when the gradients are computed during the forward (scalar reductions): a
+GEMM has written raw logits ``x @ w.T + b`` for a chunk of rows; one program per
+row then
+  1. reads the row once, transforming it (logit_scale, softcap), and keeps an
+     online max / sum of exp, the target's logit and the class-weighted sum;
+  2. reads it again (mostly from L2) and overwrites it with
+     ``dL/dlogit = logit_scale * softcap'(z) * (p * alpha - beta * onehot - gamma * cw)``
+     where ``alpha = alpha0 + alpha_lse * lse`` (the z-loss term needs the lse).
+The row statistics are written out for the loss.
+"""
+import triton
+import triton.language as tl
+
+from .tile import tanh
+
+
+@triton.jit
+def softmax_grad_kernel(
+    logits_ptr, cw_ptr, tgt_ptr,
+    alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr,
+    lse_ptr, zt_ptr, wz_ptr,
+    V, stride_ln,
+    logit_scale, softcap,
+    has_class_weight, has_softcap, need_wz,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_ln
+    tgt = tl.load(tgt_ptr + row)
+    offs = tl.arange(0, BLOCK)
+
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    zt = tl.zeros((BLOCK,), tl.float32)
+    wz = tl.zeros((BLOCK,), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + offs
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+        if has_softcap:
+            z = softcap * tanh(z / softcap)
+        z_m = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, z_m)
+        # a lane past V in every block so far has m = m_new = -inf: keep its s at 0, not NaN
+        rescale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+        s = s * rescale + tl.where(mask, tl.exp(z_m - m_new), 0.0)
+        m = m_new
+        zt += tl.where(cols == tgt, z, 0.0)
+        if need_wz:
+            zc = tl.where(mask, z, 0.0)
+            if has_class_weight:
+                zc = zc * tl.load(cw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            wz += zc
+    # lanes that never saw a column keep m = -inf, s = 0: exclude them from the max
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+    tl.store(lse_ptr + row, lse)
+    tl.store(zt_ptr + row, tl.sum(zt, axis=0))
+    if need_wz:
+        tl.store(wz_ptr + row, tl.sum(wz, axis=0))
+
+    alpha = tl.load(alpha_ptr + row) + tl.load(alpha_lse_ptr + row) * lse
+    beta = tl.load(beta_ptr + row)
+    gamma = tl.load(gamma_ptr + row)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + offs
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+        if has_softcap:
+            z = softcap * tanh(z / softcap)
+        g = tl.exp(z - lse) * alpha - tl.where(cols == tgt, beta, 0.0)
+        if has_class_weight:
+            g -= gamma * tl.load(cw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            g -= gamma
+        if has_softcap:
+            t = z / softcap
+            g = g * (1.0 - t * t)
+        g = g * logit_scale
+        tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)

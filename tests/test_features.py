@@ -1,0 +1,151 @@
+"""Autograd paths, dtypes, autocast, float16 range and determinism."""
+import pytest
+import torch
+
+import fused_ce
+from conftest import requires_cuda
+from reference import make_problem, reference_loss, rel_err
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def leaves(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in ts]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradients_from_forward_match_recomputed(device, reduction):
+    # A scalar loss computes its gradients in the forward; a second backward
+    # (retain_graph) recomputes them: both must agree with the reference.
+    x, w, t, b = make_problem(70, 48, 500, device=device, bias=True)
+    cw = torch.rand(500, device=device) + 0.5
+    kw = dict(weight=cw, label_smoothing=0.1, z_loss=1e-3, softcap=6.0, logit_scale=0.9, reduction=reduction)
+    xl, wl, bl = leaves(x, w, b)
+    loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl, workspace_bytes=20 * 500 * 4, **kw)
+    first = torch.autograd.grad(loss * 1.7, [xl, wl, bl], retain_graph=True)
+    second = torch.autograd.grad(loss * 1.7, [xl, wl, bl])
+    xr, wr, br = leaves(x.double(), w.double(), b.double())
+    ref = reference_loss(xr, wr, t, linear_bias=br, **kw)
+    expected = torch.autograd.grad(ref * 1.7, [xr, wr, br])
+    assert rel_err(loss, ref) < 1e-5
+    for a, c, e in zip(first, second, expected):
+        assert rel_err(a, e) < 1e-5
+        assert rel_err(c, e) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_with_grad_op_opcheck(device):
+    x, w, t, b = make_problem(24, 16, 40, device=device, bias=True)
+    args = (x, w, t, b, torch.rand(40, device=device), "mean", -100, 0.1, 1e-3, 4.0, 1.0, None, [True, True, True])
+    torch.library.opcheck(torch.ops.fused_ce.linear_cross_entropy_with_grad.default, args)
+    with pytest.raises(RuntimeError, match="reduction"):
+        torch.ops.fused_ce.linear_cross_entropy_with_grad(*args[:5], "none", *args[6:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_none_reduction_non_uniform_upstream(device):
+    x, w, t, _ = make_problem(60, 32, 200, device=device)
+    xl, wl = leaves(x, w)
+    mask = (torch.rand(60, device=device) > 0.3).float() * torch.randn(60, device=device)
+    (fused_ce.linear_cross_entropy(xl, wl, t, reduction="none", z_loss=1e-2) * mask).sum().backward()
+    xr, wr = leaves(x.double(), w.double())
+    (reference_loss(xr, wr, t, reduction="none", z_loss=1e-2) * mask.double()).sum().backward()
+    assert rel_err(xl.grad, xr.grad) < 1e-5 and rel_err(wl.grad, wr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast(device):
+    dtype = torch.bfloat16
+    x, w, t, b = make_problem(64, 32, 300, device=device, bias=True)
+    xl, wl, bl = leaves(x, w, b)
+    with torch.autocast(device_type=device, dtype=dtype):
+        loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert xl.grad.dtype == torch.float32 and wl.grad.dtype == torch.float32
+    # what autocast's F.linear does: the linear part in bf16
+    expected = reference_loss(x.to(dtype).double(), w.to(dtype).double(), t, linear_bias=b.to(dtype).double())
+    assert rel_err(loss, expected) < 1e-3
+    xr, wr, br = leaves(x, w, b)
+    reference_loss(xr.double(), wr.double(), t, linear_bias=br.double()).backward()
+    assert rel_err(xl.grad, xr.grad) < 3e-2 and rel_err(wl.grad, wr.grad) < 3e-2
+    # mixed dtypes outside autocast are an error, as for F.linear
+    with pytest.raises(RuntimeError, match="dtype"):
+        fused_ce.linear_cross_entropy(x.to(dtype), w, t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_logits_beyond_float16_range(device):
+    # logits around 1e5 overflow float16; the loss and gradients must stay finite and right
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(40, 64, generator=g) * 60).half().to(device)
+    w = (torch.randn(100, 64, generator=g) * 60).half().to(device)
+    t = torch.randint(0, 100, (40,), generator=g).to(device)
+    assert (x.double() @ w.double().T).abs().max() > 70000
+    xl, wl = leaves(x, w)
+    loss = fused_ce.linear_cross_entropy(xl, wl, t, reduction="sum")
+    loss.backward()
+    xr, wr = leaves(x.double(), w.double())
+    ref = reference_loss(xr, wr, t, reduction="sum")
+    ref.backward()
+    assert torch.isfinite(loss) and rel_err(loss, ref) < 1e-3
+    assert torch.isfinite(xl.grad).all() and torch.isfinite(wl.grad).all()
+    assert rel_err(xl.grad, xr.grad) < 1e-2 and rel_err(wl.grad, wr.grad) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_dtypes(device, dtype):
+    if device == "cpu" and dtype == torch.float16:
+        pytest.skip("float16 matmul on CPU is slow; covered on CUDA")
+    x, w, t, b = make_problem(128, 64, 700, device=device, bias=True, dtype=dtype)
+    xl, wl, bl = leaves(x, w, b)
+    loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl, label_smoothing=0.1)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    assert xl.grad.dtype == dtype and wl.grad.dtype == dtype and bl.grad.dtype == dtype
+    xr, wr, br = leaves(x.double(), w.double(), b.double())
+    reference_loss(xr, wr, t, linear_bias=br, label_smoothing=0.1).backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(xl.grad, xr.grad) < tol and rel_err(wl.grad, wr.grad) < tol
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_deterministic_runs_are_bitwise_identical(reduction):
+    x, w, t, b = make_problem(1000, 256, 5000, dtype=torch.bfloat16, device="cuda", bias=True)
+    kw = dict(weight=torch.rand(5000, device="cuda"), label_smoothing=0.1, z_loss=1e-4, softcap=20.0)
+    results = []
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            xl, wl, bl = leaves(x, w, b)
+            loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl, reduction=reduction, **kw)
+            loss.sum().backward()
+            results.append([loss.detach(), xl.grad, wl.grad, bl.grad])
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for other in results[1:]:
+        for a, c in zip(results[0], other):
+            assert torch.equal(a, c)
+
+
+def _ops_called(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalar_loss_does_not_recompute_logits(device):
+    x, w, t, _ = make_problem(64, 32, 300, device=device)
+    xl, wl = leaves(x, w)
+    called = _ops_called(lambda: fused_ce.linear_cross_entropy(xl, wl, t).backward())
+    assert "fused_ce::linear_cross_entropy_with_grad" in called
+    assert "fused_ce::linear_cross_entropy_backward" not in called
+    # no gradient wanted: the plain forward only
+    with torch.no_grad():
+        called = _ops_called(lambda: fused_ce.linear_cross_entropy(xl, wl, t))
+    assert "fused_ce::linear_cross_entropy" in called and "fused_ce::linear_cross_entropy_with_grad" not in called
