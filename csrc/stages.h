@@ -64,7 +64,8 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
                      const at::Tensor& out);
 // Forward with gradient: `logits` holds the raw logits x @ w.T + b of all rows
 // of `p` ([N, V], input dtype, unit column stride) and is overwritten with g;
-// returns the row stats (c.lse unused).
+// returns the row stats (c.lse unused). Without label smoothing
+// (need_weighted_z_sum false) c.gamma must be zero: the kernel skips that term.
 RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
                            bool need_weighted_z_sum);
 

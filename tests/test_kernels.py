@@ -107,18 +107,21 @@ def test_softmax_grad(case):
     alpha, alpha_lse, beta = (torch.rand(N, device=DEVICE) for _ in range(3))
     gamma = torch.rand(N, device=DEVICE) * 0.01
     lse, zt, wz = jit.softmax_grad(logits, t, alpha, alpha_lse, beta, gamma, class_weight=cw, logit_scale=scale,
-                                   softcap=cap, need_wz=True)
+                                   softcap=cap, smoothing=True)
     # reference from the logits as stored (rounded to the input dtype), like the kernel sees them
     zs = raw.to(x.dtype).double() * scale
     if cap is not None:
         zs = cap * torch.tanh(zs / cap)
     ref_lse = zs.logsumexp(1)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[case["dtype"]]
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    # half-precision inputs on a GPU use the hardware's approximate tanh for the softcap
+    approx = case["dtype"] != torch.float32 and cap is not None and DEVICE == "cuda"
+    tol_row = 2e-3 if approx else 1e-5
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol_row, atol=tol_row)
     ref_zt = torch.where(t >= 0, zs.gather(1, t.clamp_min(0)[:, None])[:, 0], 0.0)
-    torch.testing.assert_close(zt.double(), ref_zt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(zt.double(), ref_zt, rtol=tol_row, atol=tol_row * cap if approx else tol_row)
     cwd = cw.double() if cw is not None else torch.ones(V, dtype=torch.float64, device=DEVICE)
-    torch.testing.assert_close(wz.double(), zs @ cwd, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(wz.double(), zs @ cwd, rtol=10 * tol_row, atol=1.0 if approx else 1e-4)
     p = (zs - ref_lse[:, None]).exp()
     onehot = torch.zeros(N, V, dtype=torch.float64, device=DEVICE)
     onehot[t >= 0] = onehot[t >= 0].scatter(1, t[t >= 0, None], 1.0)

@@ -67,7 +67,7 @@ _SIGNATURES = {
         ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
         ("V", "i64"), ("stride_ln", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("need_wz", "i32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
     ],
 }
 # What the "aligned" layout may assume (checked at run time by csrc/cuda_ops.cpp).
@@ -99,7 +99,7 @@ def variant_spec(kernel, dtype, layout, arch):
         blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d, group_n=cfg.group_n)
     else:
         cfg = configs.row_config(arch, dtype)
-        constexprs = {"BLOCK": cfg.block}
+        constexprs = {"BLOCK": cfg.block, "FAST_TANH": configs.fast_tanh(dtype)}
         blocks = dict(block_n=1, block_v=cfg.block, block_d=0, group_n=0)
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
     for i, (name, ty) in enumerate(sig):

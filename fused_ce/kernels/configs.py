@@ -73,6 +73,11 @@ def tile_config(kernel: str, arch: int, dtype: str) -> TileConfig:
     return table[max(lower)]
 
 
+def fast_tanh(dtype: str) -> bool:
+    # hardware tanh.approx for half-precision inputs, whose logits carry more rounding than it adds
+    return dtype != "fp32"
+
+
 def dot_precision(dtype: str) -> str:
     # float32 inputs must match torch's float32 matmul (no TF32 by default).
     return "ieee" if dtype == "fp32" else "tf32"

@@ -74,18 +74,22 @@ def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end,
 
 
 def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=None, logit_scale=1.0,
-                 softcap=None, need_wz=False):
-    """Turns stored raw logits [N, V] into their gradient in place; returns (lse, target_logit, weighted_z_sum)."""
+                 softcap=None, smoothing=False):
+    """Turns stored raw logits [N, V] into their gradient in place; returns (lse, target_logit, weighted_z_sum).
+
+    With ``smoothing`` False, gamma is taken as zero and weighted_z_sum is not computed (None).
+    """
     N, V = logits.shape
     if logits.is_cuda:
         major, minor = torch.cuda.get_device_capability(logits.device)
         cfg = configs.row_config(major * 10 + minor, _DTYPES[logits.dtype])
+        fast_tanh = configs.fast_tanh(_DTYPES[logits.dtype])
     else:
-        cfg = configs.INTERPRETER_ROW
+        cfg, fast_tanh = configs.INTERPRETER_ROW, False  # the interpreter runs no inline PTX
     stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
     softmax_grad_kernel[(N,)](
         logits, target if class_weight is None else class_weight, target, alpha, alpha_lse, beta, gamma,
         stats[0], stats[1], stats[2], V, logits.stride(0), float(logit_scale), float(softcap or 1.0),
-        int(class_weight is not None), int(softcap is not None), int(need_wz),
-        BLOCK=cfg.block, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return stats[0], stats[1], stats[2] if need_wz else None
+        int(class_weight is not None), int(softcap is not None), int(smoothing),
+        BLOCK=cfg.block, FAST_TANH=fast_tanh, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return stats[0], stats[1], stats[2] if smoothing else None

@@ -13,7 +13,7 @@ The row statistics are written out for the loss.
 import triton
 import triton.language as tl
 
-from .tile import tanh
+from .tile import softcap_tanh
 
 
 @triton.jit
@@ -23,15 +23,17 @@ def softmax_grad_kernel(
     lse_ptr, zt_ptr, wz_ptr,
     V, stride_ln,
     logit_scale, softcap,
-    has_class_weight, has_softcap, need_wz,
-    BLOCK: tl.constexpr,
+    has_class_weight, has_softcap, has_smoothing,
+    BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     tgt = tl.load(tgt_ptr + row)
     offs = tl.arange(0, BLOCK)
 
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    inv_softcap = 1.0 / softcap
+    # running max over the row so far (a scalar: one exp per element), lane-wise sums
+    m = float("-inf")
     s = tl.zeros((BLOCK,), tl.float32)
     zt = tl.zeros((BLOCK,), tl.float32)
     wz = tl.zeros((BLOCK,), tl.float32)
@@ -40,25 +42,21 @@ def softmax_grad_kernel(
         mask = cols < V
         z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
         if has_softcap:
-            z = softcap * tanh(z / softcap)
-        z_m = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, z_m)
-        # a lane past V in every block so far has m = m_new = -inf: keep its s at 0, not NaN
-        rescale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-        s = s * rescale + tl.where(mask, tl.exp(z_m - m_new), 0.0)
+            z = softcap * softcap_tanh(z * inv_softcap, FAST_TANH)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
         zt += tl.where(cols == tgt, z, 0.0)
-        if need_wz:
+        if has_smoothing:
             zc = tl.where(mask, z, 0.0)
             if has_class_weight:
                 zc = zc * tl.load(cw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             wz += zc
-    # lanes that never saw a column keep m = -inf, s = 0: exclude them from the max
-    m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+    lse = m + tl.log(tl.sum(s, axis=0))
     tl.store(lse_ptr + row, lse)
     tl.store(zt_ptr + row, tl.sum(zt, axis=0))
-    if need_wz:
+    if has_smoothing:
         tl.store(wz_ptr + row, tl.sum(wz, axis=0))
 
     alpha = tl.load(alpha_ptr + row) + tl.load(alpha_lse_ptr + row) * lse
@@ -69,14 +67,15 @@ def softmax_grad_kernel(
         mask = cols < V
         z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
         if has_softcap:
-            z = softcap * tanh(z / softcap)
+            t = softcap_tanh(z * inv_softcap, FAST_TANH)
+            z = softcap * t
         g = tl.exp(z - lse) * alpha - tl.where(cols == tgt, beta, 0.0)
-        if has_class_weight:
-            g -= gamma * tl.load(cw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        else:
-            g -= gamma
+        if has_smoothing:  # gamma is zero without label smoothing: skip its loads
+            if has_class_weight:
+                g -= gamma * tl.load(cw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                g -= gamma
         if has_softcap:
-            t = z / softcap
             g = g * (1.0 - t * t)
         g = g * logit_scale
         tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
