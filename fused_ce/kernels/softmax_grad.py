@@ -67,8 +67,7 @@ def softmax_grad_kernel(
         mask = cols < V
         z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
         if has_softcap:
-            t = softcap_tanh(z * inv_softcap, FAST_TANH)
-            z = softcap * t
+            z = softcap * softcap_tanh(z * inv_softcap, FAST_TANH)
         g = tl.exp(z - lse) * alpha - tl.where(cols == tgt, beta, 0.0)
         if has_smoothing:  # gamma is zero without label smoothing: skip its loads
             if has_class_weight:
@@ -76,6 +75,7 @@ def softmax_grad_kernel(
             else:
                 g -= gamma
         if has_softcap:
+            t = z * inv_softcap  # tanh of the pre-cap logit
             g = g * (1.0 - t * t)
         g = g * logit_scale
         tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
