@@ -1,5 +1,7 @@
 #include "cuda_driver.h"
 
+#include "format.h"
+
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -79,7 +81,7 @@ void check(CUresult result, const char* call) {
   const char* text = "?";
   driver().cuGetErrorName(result, &name);
   driver().cuGetErrorString(result, &text);
-  TORCH_CHECK(false, "fused_ce: CUDA driver call ", call, " failed with ", name, " (", result, "): ", text);
+  TORCH_CHECK(false, "fused_ce: CUDA driver call ", call, " failed with ", name, " (", num(result), "): ", text);
 }
 
 #define FCE_CU(call) check(driver().call, #call)
@@ -132,8 +134,8 @@ CUfunction function_for(const KernelVariant& v, int device_index) {
   FCE_CU(cuModuleGetFunction(&fn, module, v.function));
   if (v.shared_bytes > kDefaultSharedLimit) {
     const int limit = attribute(device_index, kAttrMaxSharedPerBlockOptin);
-    TORCH_CHECK(v.shared_bytes <= limit, "fused_ce: kernel ", v.kernel, " (sm_", v.arch, ") needs ",
-                v.shared_bytes, " bytes of shared memory; device ", device_index, " allows ", limit);
+    TORCH_CHECK(v.shared_bytes <= limit, "fused_ce: kernel ", v.kernel, " (sm_", num(v.arch), ") needs ",
+                num(v.shared_bytes), " bytes of shared memory; device ", num(device_index), " allows ", num(limit));
     FCE_CU(cuFuncSetAttribute(fn, kFuncAttrMaxDynamicShared, v.shared_bytes));
   }
   functions.emplace(key, fn);
@@ -189,7 +191,7 @@ const KernelVariant* find_variant(const char* kernel, const char* dtype, const c
 }
 
 void launch(const KernelVariant& v, const at::Device& device, int64_t grid, const KernelArgs& args) {
-  TORCH_CHECK(grid > 0 && grid < (int64_t{1} << 31), "fused_ce: grid of ", grid, " programs is out of range");
+  TORCH_CHECK(grid > 0 && grid < (int64_t{1} << 31), "fused_ce: grid of ", num(grid), " programs is out of range");
   const int index = device.index();
   c10::DeviceGuard guard(device);
   make_context_current(index);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cuda_driver.h"
+#include "format.h"
 #include "stages.h"
 
 namespace fused_ce {
@@ -39,14 +40,14 @@ Reduction parse_reduction(c10::string_view r) {
 LossOptions make_options(c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
                          std::optional<double> softcap, double logit_scale, std::optional<int64_t> workspace_bytes) {
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
-              "linear_cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
+              "linear_cross_entropy: label_smoothing must be in [0, 1], got ", num(label_smoothing));
   TORCH_CHECK(z_loss >= 0.0 && std::isfinite(z_loss), "linear_cross_entropy: z_loss must be a finite value >= 0, got ",
-              z_loss);
+              num(z_loss));
   TORCH_CHECK(!softcap || (*softcap > 0.0 && std::isfinite(*softcap)),
-              "linear_cross_entropy: softcap must be a finite value > 0 (or None), got ", softcap.value_or(0.0));
-  TORCH_CHECK(std::isfinite(logit_scale), "linear_cross_entropy: logit_scale must be finite, got ", logit_scale);
+              "linear_cross_entropy: softcap must be a finite value > 0 (or None), got ", num(softcap.value_or(0.0)));
+  TORCH_CHECK(std::isfinite(logit_scale), "linear_cross_entropy: logit_scale must be finite, got ", num(logit_scale));
   TORCH_CHECK(!workspace_bytes || *workspace_bytes > 0,
-              "linear_cross_entropy: workspace_bytes must be positive (or None), got ", workspace_bytes.value_or(0));
+              "linear_cross_entropy: workspace_bytes must be positive (or None), got ", num(workspace_bytes.value_or(0)));
   return {parse_reduction(reduction), ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes};
 }
 
@@ -58,29 +59,29 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
                      const LossOptions& o, bool check_targets) {
   TORCH_CHECK(input.dim() >= 1, "linear_cross_entropy: input must have at least one dimension [..., D]");
   TORCH_CHECK(linear_weight.dim() == 2, "linear_cross_entropy: linear_weight must be 2-D [V, D], got shape ",
-              linear_weight.sizes());
+              shape(linear_weight.sizes()));
   const int64_t D = input.size(-1);
   const int64_t V = linear_weight.size(0);
-  TORCH_CHECK(linear_weight.size(1) == D, "linear_cross_entropy: linear_weight has ", linear_weight.size(1),
-              " features but input has ", D);
+  TORCH_CHECK(linear_weight.size(1) == D, "linear_cross_entropy: linear_weight has ", num(linear_weight.size(1)),
+              " features but input has ", num(D));
   TORCH_CHECK(V > 0, "linear_cross_entropy: linear_weight must have at least one class (row)");
   const auto dtype = input.scalar_type();
   TORCH_CHECK(at::isFloatingType(dtype) && dtype != at::kFloat8_e4m3fn,
-              "linear_cross_entropy: input must be a floating-point tensor, got ", dtype);
+              "linear_cross_entropy: input must be a floating-point tensor, got ", name(dtype));
   TORCH_CHECK(linear_weight.scalar_type() == dtype, "linear_cross_entropy: linear_weight dtype ",
-              linear_weight.scalar_type(), " does not match input dtype ", dtype);
+              name(linear_weight.scalar_type()), " does not match input dtype ", name(dtype));
   TORCH_CHECK(linear_weight.device() == input.device(), "linear_cross_entropy: linear_weight is on ",
-              linear_weight.device(), " but input is on ", input.device());
+              linear_weight.device().str(), " but input is on ", input.device().str());
   TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
               "linear_cross_entropy: target must hold class indices (int64 or int32); class-probability targets "
               "are not supported");
   TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
-              "linear_cross_entropy: target must be int64 or int32, got ", target.scalar_type());
-  TORCH_CHECK(target.device() == input.device(), "linear_cross_entropy: target is on ", target.device(),
-              " but input is on ", input.device());
+              "linear_cross_entropy: target must be int64 or int32, got ", name(target.scalar_type()));
+  TORCH_CHECK(target.device() == input.device(), "linear_cross_entropy: target is on ", target.device().str(),
+              " but input is on ", input.device().str());
   const auto batch = input.sizes().slice(0, input.dim() - 1);
-  TORCH_CHECK(target.sizes() == batch, "linear_cross_entropy: target shape ", target.sizes(),
-              " must equal input shape without its last dimension ", batch);
+  TORCH_CHECK(target.sizes() == batch, "linear_cross_entropy: target shape ", shape(target.sizes()),
+              " must equal input shape without its last dimension ", shape(batch));
 
   Problem p;
   p.N = input.numel() / std::max<int64_t>(D, 1);
@@ -93,30 +94,30 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   p.softcap = o.softcap;
   if (linear_bias && linear_bias->defined()) {
     const at::Tensor& b = *linear_bias;
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == V, "linear_cross_entropy: linear_bias must have shape [", V,
-                "], got ", b.sizes());
-    TORCH_CHECK(b.scalar_type() == dtype, "linear_cross_entropy: linear_bias dtype ", b.scalar_type(),
-                " does not match input dtype ", dtype);
-    TORCH_CHECK(b.device() == input.device(), "linear_cross_entropy: linear_bias is on ", b.device(),
-                " but input is on ", input.device());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == V, "linear_cross_entropy: linear_bias must have shape [", num(V),
+                "], got ", shape(b.sizes()));
+    TORCH_CHECK(b.scalar_type() == dtype, "linear_cross_entropy: linear_bias dtype ", name(b.scalar_type()),
+                " does not match input dtype ", name(dtype));
+    TORCH_CHECK(b.device() == input.device(), "linear_cross_entropy: linear_bias is on ", b.device().str(),
+                " but input is on ", input.device().str());
     p.bias = b.contiguous();
   }
   if (weight && weight->defined()) {
     const at::Tensor& cw = *weight;
     TORCH_CHECK(cw.dim() == 1 && cw.size(0) == V, "linear_cross_entropy: weight (class weights) must have shape [",
-                V, "], got ", cw.sizes());
+                num(V), "], got ", shape(cw.sizes()));
     TORCH_CHECK(at::isFloatingType(cw.scalar_type()), "linear_cross_entropy: weight (class weights) must be "
-                "floating point, got ", cw.scalar_type());
-    TORCH_CHECK(cw.device() == input.device(), "linear_cross_entropy: weight (class weights) is on ", cw.device(),
-                " but input is on ", input.device());
+                "floating point, got ", name(cw.scalar_type()));
+    TORCH_CHECK(cw.device() == input.device(), "linear_cross_entropy: weight (class weights) is on ", cw.device().str(),
+                " but input is on ", input.device().str());
     p.class_weight = cw.to(dtype == at::kDouble ? at::kDouble : at::kFloat).contiguous();
   }
   const at::Tensor t = target.reshape({p.N}).to(at::kLong);
   const at::Tensor ignored = t.eq(o.ignore_index);
   if (check_targets && p.N > 0) {
     const bool bad = ignored.logical_not().logical_and_(t.lt(0).logical_or_(t.ge(V))).any().item<bool>();
-    TORCH_CHECK(!bad, "linear_cross_entropy: target holds class indices outside [0, ", V,
-                ") that are not ignore_index (", o.ignore_index, ")");
+    TORCH_CHECK(!bad, "linear_cross_entropy: target holds class indices outside [0, ", num(V),
+                ") that are not ignore_index (", num(o.ignore_index), ")");
   }
   p.target = at::where(ignored, -1, t).contiguous();
   return p;
@@ -135,7 +136,7 @@ bool use_kernels(const Problem& p) {
   if (cuda_kernels_available(p)) return true;
   const auto dtype = p.x.scalar_type();
   if (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) {
-    TORCH_WARN_ONCE("fused_ce: this build has no kernel for sm_", device_arch(p.x.device().index()),
+    TORCH_WARN_ONCE("fused_ce: this build has no kernel for sm_", num(device_arch(p.x.device().index())),
                     "; using the slower chunked ATen path on CUDA. Rebuild with this architecture in "
                     "FUSED_CE_CUDA_ARCHS (see fused_ce.cuda_archs()).");
   }

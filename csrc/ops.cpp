@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "format.h"
 #include "kernel_table.h"
 #include "loss.h"
 
@@ -173,7 +174,7 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
       return at::from_blob(const_cast<unsigned char*>(v.cubin_begin), {size}, at::kByte).clone();
     }
   }
-  TORCH_CHECK(false, "fused_ce: no embedded cubin for sm_", arch, " ", std::string(kernel), "/", std::string(dtype),
+  TORCH_CHECK(false, "fused_ce: no embedded cubin for sm_", num(arch), " ", std::string(kernel), "/", std::string(dtype),
               "/", std::string(layout));
   return at::Tensor();
 }
