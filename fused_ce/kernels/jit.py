@@ -38,9 +38,9 @@ def _common(x, w, target, bias, class_weight, logit_scale, softcap, cfg):
 
 
 def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, softcap=None, need_wz=False,
-              num_splits=None):
+              num_splits=None, config=None):
     """(lse, target_logit, weighted_z_sum) per row; ``target`` holds -1 for ignored rows."""
-    cfg = _config("row_stats", x)
+    cfg = config or _config("row_stats", x)
     N, V = x.shape[0], w.shape[0]
     vocab_tiles = triton.cdiv(V, cfg.block_v)
     splits = min(num_splits or 1, vocab_tiles)
@@ -74,7 +74,7 @@ def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end,
 
 
 def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=None, logit_scale=1.0,
-                 softcap=None, smoothing=False):
+                 softcap=None, smoothing=False, config=None):
     """Turns stored raw logits [N, V] into their gradient in place; returns (lse, target_logit, weighted_z_sum).
 
     With ``smoothing`` False, gamma is taken as zero and weighted_z_sum is not computed (None).
@@ -82,7 +82,7 @@ def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=
     N, V = logits.shape
     if logits.is_cuda:
         major, minor = torch.cuda.get_device_capability(logits.device)
-        cfg = configs.row_config(major * 10 + minor, _DTYPES[logits.dtype])
+        cfg = config or configs.row_config(major * 10 + minor, _DTYPES[logits.dtype])
         fast_tanh = configs.fast_tanh(_DTYPES[logits.dtype])
     else:
         cfg, fast_tanh = configs.INTERPRETER_ROW, False  # the interpreter runs no inline PTX
