@@ -106,7 +106,7 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
 }
 
 RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
-                           bool need_weighted_z_sum) {
+                           bool need_weighted_z_sum, bool write_grad) {
   TORCH_CHECK(logits.scalar_type() == p.x.scalar_type() && logits.stride(1) == 1 && logits.size(0) == p.N &&
                   logits.size(1) == p.V,
               "fused_ce: bad logits buffer");
@@ -120,7 +120,7 @@ RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at
       .f32("logit_scale", static_cast<float>(p.logit_scale))
       .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
       .i32("has_class_weight", p.class_weight.defined()).i32("has_softcap", p.softcap.has_value())
-      .i32("has_smoothing", need_weighted_z_sum);
+      .i32("has_smoothing", need_weighted_z_sum).i32("write_grad", write_grad);
   launch(v, p.x.device(), p.N, args);
   return {stats[0], stats[1], need_weighted_z_sum ? stats[2] : at::Tensor()};
 }

@@ -26,7 +26,7 @@ struct LossOptions {
   std::optional<int64_t> workspace_bytes;
 };
 
-constexpr int64_t kDefaultCudaWorkspace = int64_t{256} << 20;
+constexpr int64_t kDefaultCudaWorkspace = int64_t{448} << 20;
 constexpr int64_t kDefaultCpuWorkspace = int64_t{16} << 20;
 
 Reduction parse_reduction(c10::string_view r) {
@@ -215,6 +215,43 @@ GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const
   return c;
 }
 
+// Rows of stored logits per block in the workspace, for the paths that store
+// logits (cuBLAS GEMMs); 0 when they must not be stored: float16 logits could
+// overflow, so float16 uses the tl.dot tiles (fp32 accumulators) instead.
+constexpr int64_t kMinCublasRows = 512;  // below this the logits GEMM loses efficiency
+
+int64_t logits_block_rows(const Problem& p, const LossOptions& o) {
+  if (p.x.scalar_type() == at::kHalf) return 0;
+  const int64_t elem = c10::elementSize(p.x.scalar_type());
+  return std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
+}
+
+// raw logits x @ w.T + b of the rows of `p` into `out`
+void logits_into(const Problem& p, at::Tensor& out) {
+  if (p.bias.defined()) {
+    at::addmm_out(out, p.bias, p.x, p.w.t());
+  } else {
+    at::mm_out(out, p.x, p.w.t());
+  }
+}
+
+RowStats stats_from_logit_blocks(const Problem& p, int64_t rows, bool need_wz) {
+  const auto opts = p.x.options().dtype(at::kFloat);
+  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), need_wz ? at::empty({p.N}, opts) : at::Tensor()};
+  at::Tensor buffer = at::empty({rows, p.V}, p.x.options());
+  for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
+    const int64_t r1 = std::min(p.N, r0 + rows);
+    const Problem pr = p.rows(r0, r1);
+    at::Tensor logits = buffer.narrow(0, 0, r1 - r0);
+    logits_into(pr, logits);
+    const RowStats part = cuda_softmax_grad(pr, GradCoefficients{}, logits, need_wz, /*write_grad=*/false);
+    s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
+    s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
+    if (need_wz) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
+  }
+  return s;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
@@ -230,7 +267,13 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
   if (p.N == 0) {
     s = empty_stats(p);
   } else if (use_kernels(p)) {
-    s = cuda_row_stats(p, need_wz);
+    const int64_t rows = logits_block_rows(p, o);
+    if (rows >= kMinCublasRows || rows == p.N) {
+      // cuBLAS writes blocks of logits, a row pass reduces them
+      s = stats_from_logit_blocks(p, rows, need_wz);
+    } else {
+      s = cuda_row_stats(p, need_wz);  // no room for logits: tl.dot tiles reduced in registers
+    }
   } else {
     const int64_t row_bytes = p.V * c10::elementSize(loss_dtype(p));
     s = aten_row_stats(p, need_wz, std::max<int64_t>(1, workspace_bytes(p, o) / row_bytes));
@@ -359,7 +402,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const GradCoefficients c = grad_coefficients(p, o, at::ones({}, p.x.options().dtype(dtype)), std::nullopt);
 
   const bool kernels = use_kernels(p);
-  if (kernels && p.x.scalar_type() == at::kHalf) {
+  if (kernels && logits_block_rows(p, o) == 0) {
     // Stored float16 logits could overflow: recompute them in float32 tiles instead.
     auto [loss, lse] = linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
                                             ignore_index, label_smoothing, z_loss, softcap, logit_scale,
@@ -376,7 +419,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   // as cuBLAS's addmm does, to stay within the workspace).
   const auto gemm_dtype = kernels ? p.x.scalar_type() : dtype;
   const int64_t elem = c10::elementSize(gemm_dtype);
-  const int64_t rows = std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
+  const int64_t rows = kernels ? logits_block_rows(p, o)
+                               : std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
   const int64_t row_blocks = (p.N + rows - 1) / rows;
   const auto opts = p.x.options();
   at::Tensor grad_x = need_x ? at::empty({p.N, p.D}, opts.dtype(gemm_dtype)) : at::Tensor();
@@ -400,11 +444,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     at::Tensor g;
     if (kernels) {
       g = logits_buffer.narrow(0, 0, r1 - r0);
-      if (p.bias.defined()) {
-        at::addmm_out(g, p.bias, pr.x, p.w.t());
-      } else {
-        at::mm_out(g, pr.x, p.w.t());
-      }
+      logits_into(pr, g);
       part = cuda_softmax_grad(pr, cr, g, need_wz);
     } else {
       std::tie(part, g) = aten_stats_and_logit_grad(pr, cr, need_wz);

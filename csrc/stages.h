@@ -66,7 +66,8 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
 // of `p` ([N, V], input dtype, unit column stride) and is overwritten with g;
 // returns the row stats (c.lse unused). Without label smoothing
 // (need_weighted_z_sum false) c.gamma must be zero: the kernel skips that term.
+// With write_grad false only the row stats are computed (c may be empty).
 RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
-                           bool need_weighted_z_sum);
+                           bool need_weighted_z_sum, bool write_grad = true);
 
 }  // namespace fused_ce

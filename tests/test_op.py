@@ -55,7 +55,9 @@ def _bf16_errors(device, dtype, N, D, V, reduction, **kw):
     # float64 truth
     x64, w64, b64 = leaf(x.double()), leaf(w.double()), leaf(b.double())
     ref = reference_loss(x64, w64, t, linear_bias=b64, reduction=reduction, **kw)
-    up = torch.randn_like(ref)
+    # a scalar loss's gradients are computed in the forward for an upstream gradient
+    # of 1 (the usual loss.backward()); other upstream scalars: test_upstream_scaling
+    up = torch.randn_like(ref) if reduction == "none" else torch.ones_like(ref)
     truth = [ref] + list(torch.autograd.grad((ref * up).sum(), [x64, w64, b64]))
     # torch eager in the low-precision dtype
     xt, wt, bt = leaf(x), leaf(w), leaf(b)
@@ -71,14 +73,40 @@ def _bf16_errors(device, dtype, N, D, V, reduction, **kw):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_bf16_within_torch_error(device, reduction):
-    for ours, eager in _bf16_errors(device, torch.bfloat16, 256, 128, 1000, reduction):
-        assert ours <= 1.5 * eager + 1e-6, (ours, eager)
+    errors = _bf16_errors(device, torch.bfloat16, 256, 128, 1000, reduction)
+    for name, (ours, eager) in zip(("loss", "dX", "dW", "db"), errors):
+        assert ours <= 1.5 * eager + 1e-6, (name, ours, eager)
 
 
 @pytest.mark.parametrize("device", ["cuda"] if torch.cuda.is_available() else [])
 def test_fp16_within_torch_error(device):
-    for ours, eager in _bf16_errors(device, torch.float16, 256, 128, 1000, "mean"):
-        assert ours <= 1.5 * eager + 1e-6, (ours, eager)
+    errors = _bf16_errors(device, torch.float16, 256, 128, 1000, "mean")
+    for name, (ours, eager) in zip(("loss", "dX", "dW", "db"), errors):
+        assert ours <= 1.5 * eager + 1e-6, (name, ours, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upstream_scaling(device, dtype):
+    # The gradients of a scalar loss are computed in the forward and scaled by the
+    # upstream gradient in the backward: exact for powers of two (loss scaling),
+    # one extra rounding in the input dtype otherwise.
+    x, w, t, b = make_problem(200, 64, 500, dtype=dtype, device=device, bias=True)
+
+    def grads_for(upstream):
+        xl, wl, bl = leaf(x), leaf(w), leaf(b)
+        (fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl) * upstream).backward()
+        return xl.grad, wl.grad, bl.grad
+
+    unit = grads_for(1.0)
+    for g, u in zip(grads_for(0.25), unit):
+        assert torch.equal(g, u * 0.25)
+    scale = 0.3
+    xs, ws, bs = leaf(x.double()), leaf(w.double()), leaf(b.double())
+    (reference_loss(xs, ws, t, linear_bias=bs) * scale).backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, e in zip(grads_for(scale), (xs.grad, ws.grad, bs.grad)):
+        assert rel_err(g, e) < tol
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -67,7 +67,7 @@ _SIGNATURES = {
         ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
         ("V", "i64"), ("stride_ln", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"), ("write_grad", "i32"),
     ],
 }
 # What the "aligned" layout may assume (checked at run time by csrc/cuda_ops.cpp).

@@ -58,8 +58,9 @@ INTERPRETER_ROW = RowConfig(64, 4)
 
 
 def row_config(arch: int, dtype: str) -> RowConfig:
-    # Memory-bound: 16-byte accesses per thread and enough of them in flight.
-    return RowConfig(4096 if dtype != "fp32" else 2048, 8)
+    # Memory-bound. H200, 2048 x 128256 bf16 chunk (benchmarks/NOTES.md): 2048/8 warps
+    # 2.19 TB/s, 4096/8 1.75, 8192/16 1.88, 2048/4 2.04.
+    return RowConfig(2048 if dtype != "fp32" else 1024, 8)
 
 
 def tile_config(kernel: str, arch: int, dtype: str) -> TileConfig:

@@ -74,7 +74,7 @@ def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end,
 
 
 def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=None, logit_scale=1.0,
-                 softcap=None, smoothing=False, config=None):
+                 softcap=None, smoothing=False, write_grad=True, config=None):
     """Turns stored raw logits [N, V] into their gradient in place; returns (lse, target_logit, weighted_z_sum).
 
     With ``smoothing`` False, gamma is taken as zero and weighted_z_sum is not computed (None).
@@ -90,6 +90,6 @@ def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=
     softmax_grad_kernel[(N,)](
         logits, target if class_weight is None else class_weight, target, alpha, alpha_lse, beta, gamma,
         stats[0], stats[1], stats[2], V, logits.stride(0), float(logit_scale), float(softcap or 1.0),
-        int(class_weight is not None), int(softcap is not None), int(smoothing),
+        int(class_weight is not None), int(softcap is not None), int(smoothing), int(write_grad),
         BLOCK=cfg.block, FAST_TANH=fast_tanh, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return stats[0], stats[1], stats[2] if smoothing else None

@@ -8,7 +8,8 @@ row then
   2. reads it again (mostly from L2) and overwrites it with
      ``dL/dlogit = logit_scale * softcap'(z) * (p * alpha - beta * onehot - gamma * cw)``
      where ``alpha = alpha0 + alpha_lse * lse`` (the z-loss term needs the lse).
-The row statistics are written out for the loss.
+The row statistics are written out for the loss. With ``write_grad`` 0 it
+stops after step 1: the loss-only forward from cuBLAS logits.
 """
 import triton
 import triton.language as tl
@@ -23,7 +24,7 @@ def softmax_grad_kernel(
     lse_ptr, zt_ptr, wz_ptr,
     V, stride_ln,
     logit_scale, softcap,
-    has_class_weight, has_softcap, has_smoothing,
+    has_class_weight, has_softcap, has_smoothing, write_grad,
     BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -59,6 +60,16 @@ def softmax_grad_kernel(
     if has_smoothing:
         tl.store(wz_ptr + row, tl.sum(wz, axis=0))
 
+    if write_grad:  # else: the loss-only forward, which needs the row stats alone
+        _write_grad(row_ptr, cw_ptr, tgt, lse, alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr, row, V, logit_scale,
+                    softcap, inv_softcap, has_class_weight, has_softcap, has_smoothing, BLOCK, FAST_TANH)
+
+
+@triton.jit
+def _write_grad(row_ptr, cw_ptr, tgt, lse, alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr, row, V, logit_scale,
+                softcap, inv_softcap, has_class_weight, has_softcap, has_smoothing, BLOCK: tl.constexpr,
+                FAST_TANH: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
     alpha = tl.load(alpha_ptr + row) + tl.load(alpha_lse_ptr + row) * lse
     beta = tl.load(beta_ptr + row)
     gamma = tl.load(gamma_ptr + row)
@@ -78,4 +89,4 @@ def softmax_grad_kernel(
             t = z * inv_softcap  # tanh of the pre-cap logit
             g = g * (1.0 - t * t)
         g = g * logit_scale
-        tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
