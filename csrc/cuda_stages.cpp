@@ -2,6 +2,7 @@
 // and launches it (cuda_driver.cpp).
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "cuda_driver.h"
@@ -63,8 +64,16 @@ KernelArgs common_args(const Problem& p) {
 
 }  // namespace
 
+bool cuda_kernels_disabled() {
+  static const bool disabled = [] {
+    const char* value = std::getenv("FUSED_CE_DISABLE_KERNELS");
+    return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
+  }();
+  return disabled;
+}
+
 bool cuda_kernels_available(const Problem& p) {
-  return p.x.is_cuda() && select("row_stats", p, nullptr) != nullptr &&
+  return p.x.is_cuda() && !cuda_kernels_disabled() && select("row_stats", p, nullptr) != nullptr &&
          select("logit_grad", p, nullptr) != nullptr && select("softmax_grad", p, nullptr) != nullptr;
 }
 

@@ -135,7 +135,8 @@ bool use_kernels(const Problem& p) {
   if (!p.x.is_cuda() || p.N == 0) return false;
   if (cuda_kernels_available(p)) return true;
   const auto dtype = p.x.scalar_type();
-  if (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) {
+  const bool kernel_dtype = dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
+  if (kernel_dtype && !cuda_kernels_disabled()) {
     TORCH_WARN_ONCE("fused_ce: this build has no kernel for sm_", num(device_arch(p.x.device().index())),
                     "; using the slower chunked ATen path on CUDA. Rebuild with this architecture in "
                     "FUSED_CE_CUDA_ARCHS (see fused_ce.cuda_archs()).");

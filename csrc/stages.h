@@ -1,12 +1,15 @@
-// The two stages every implementation provides, on a 2-D view of the problem.
+// The stages every implementation provides, on a 2-D view of the problem, with
+// z = softcap(logit_scale * (x @ w.T + b)):
 //
-//   row stats:  lse[r] = logsumexp_c z[r, c], the target's logit z[r, t_r] and, for
-//               label smoothing, sum_c cw[c] * z[r, c]          (forward)
-//   logit grad: g[r, c] = dL/dlogit[r, c] for a block of rows and columns (backward)
+//   row stats:    lse[r] = logsumexp_c z[r, c], the target's logit z[r, t_r] and, for
+//                 label smoothing, sum_c cw[c] * z[r, c]                (forward)
+//   logit grad:   g[r, c] = dL/dlogit[r, c] for a block of rows and columns,
+//                 recomputing the logits                                (backward)
+//   stats + grad: both from one evaluation of the logits of a row block
+//                 (forward with gradient, scalar losses)
 //
-// with z = softcap(logit_scale * (x @ w.T + b)). loss.cpp turns row stats into
-// the loss and multiplies g back through w and x; the stages never hold more
-// than one block of logits.
+// loss.cpp turns row stats into the loss and multiplies g back through w and x;
+// no stage holds more than one block of logits.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -54,8 +57,10 @@ at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t 
 std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
                                                           bool need_weighted_z_sum);
 
-// Triton kernels (CUDA). Return false where no embedded cubin fits the device;
-// the caller then falls back to the ATen stages.
+// Triton kernels (CUDA). Return false where no embedded cubin fits the device,
+// or where FUSED_CE_DISABLE_KERNELS is set (read once); the caller then falls
+// back to the ATen stages.
+bool cuda_kernels_disabled();
 bool cuda_kernels_available(const Problem& p);
 RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum);
 // Writes g (in the input dtype) for all rows of `p` and columns [v_begin, v_end)

@@ -23,6 +23,14 @@ def transformed_logits(x, w, b, scale, softcap):
     return z
 
 
+def case_inputs(case):
+    """x, w, target (-1 where ignored), bias, class weights, logit_scale, softcap of a case."""
+    x, w, t, b = make_problem(case["N"], case["D"], case["V"], dtype=case["dtype"], bias=case.get("bias", False),
+                              device=DEVICE)
+    cw = torch.rand(case["V"], device=DEVICE) if case.get("class_weight") else None
+    return x, w, torch.where(t < 0, -1, t), b, cw, case.get("scale", 1.0), case.get("softcap")
+
+
 CASES = [
     dict(N=40, D=48, V=100, dtype=torch.float32),  # D a multiple of BLOCK_D
     dict(N=37, D=40, V=77, dtype=torch.float16, bias=True, softcap=2.0, scale=0.8),  # tails everywhere
@@ -32,11 +40,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
 def test_row_stats(case):
-    x, w, t, b = make_problem(case["N"], case["D"], case["V"], dtype=case["dtype"], bias=case.get("bias", False),
-                              device=DEVICE)
-    t = torch.where(t < 0, -1, t)
-    cw = torch.rand(case["V"], device=DEVICE) if case.get("class_weight") else None
-    scale, cap = case.get("scale", 1.0), case.get("softcap")
+    x, w, t, b, cw, scale, cap = case_inputs(case)
     lse, zt, wz = jit.row_stats(x, w, t, bias=b, class_weight=cw, logit_scale=scale, softcap=cap, need_wz=True,
                                 num_splits=case.get("splits", 2))
     z = transformed_logits(x, w, b, scale, cap)
@@ -50,11 +54,8 @@ def test_row_stats(case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
 def test_logit_grad(case):
-    N, D, V = case["N"], case["D"], case["V"]
-    x, w, t, b = make_problem(N, D, V, dtype=case["dtype"], bias=case.get("bias", False), device=DEVICE)
-    t = torch.where(t < 0, -1, t)
-    cw = torch.rand(V, device=DEVICE) if case.get("class_weight") else None
-    scale, cap = case.get("scale", 1.0), case.get("softcap")
+    N, V = case["N"], case["V"]
+    x, w, t, b, cw, scale, cap = case_inputs(case)
     z = transformed_logits(x, w, b, scale, cap)
     lse = z.logsumexp(1).float()
     alpha, beta, gamma = (torch.rand(N, device=DEVICE) * s for s in (1.0, 1.0, 0.01))
@@ -95,11 +96,8 @@ def test_logit_grad_strided_output_and_inputs():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
 def test_softmax_grad(case):
-    N, D, V = case["N"], case["D"], case["V"]
-    x, w, t, b = make_problem(N, D, V, dtype=case["dtype"], bias=case.get("bias", False), device=DEVICE)
-    t = torch.where(t < 0, -1, t)
-    cw = torch.rand(V, device=DEVICE) if case.get("class_weight") else None
-    scale, cap = case.get("scale", 1.0), case.get("softcap")
+    N, V = case["N"], case["V"]
+    x, w, t, b, cw, scale, cap = case_inputs(case)
     raw = x.double() @ w.double().T + (b.double() if b is not None else 0)
     stored = torch.full((N, V + 7), float("nan"), dtype=x.dtype, device=DEVICE)  # padded rows
     logits = stored[:, :V]

@@ -18,6 +18,14 @@ from .tile import softcap_tanh
 
 
 @triton.jit
+def _load_logits(row_ptr, cols, mask, logit_scale, softcap, inv_softcap, has_softcap, FAST_TANH: tl.constexpr):
+    z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+    if has_softcap:
+        z = softcap * softcap_tanh(z * inv_softcap, FAST_TANH)
+    return z
+
+
+@triton.jit
 def softmax_grad_kernel(
     logits_ptr, cw_ptr, tgt_ptr,
     alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr,
@@ -41,9 +49,7 @@ def softmax_grad_kernel(
     for v0 in range(0, V, BLOCK):
         cols = v0 + offs
         mask = cols < V
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-        if has_softcap:
-            z = softcap * softcap_tanh(z * inv_softcap, FAST_TANH)
+        z = _load_logits(row_ptr, cols, mask, logit_scale, softcap, inv_softcap, has_softcap, FAST_TANH)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
@@ -76,9 +82,7 @@ def _write_grad(row_ptr, cw_ptr, tgt, lse, alpha_ptr, alpha_lse_ptr, beta_ptr, g
     for v0 in range(0, V, BLOCK):
         cols = v0 + offs
         mask = cols < V
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-        if has_softcap:
-            z = softcap * softcap_tanh(z * inv_softcap, FAST_TANH)
+        z = _load_logits(row_ptr, cols, mask, logit_scale, softcap, inv_softcap, has_softcap, FAST_TANH)
         g = tl.exp(z - lse) * alpha - tl.where(cols == tgt, beta, 0.0)
         if has_smoothing:  # gamma is zero without label smoothing: skip its loads
             if has_class_weight:
