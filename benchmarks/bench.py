@@ -94,8 +94,7 @@ def reference(x, w, t):
     wf = w.float().requires_grad_()
     loss = F.cross_entropy(xf @ wf.T, t)
     loss.backward()
-    out = (loss.detach(), xf.grad, wf.grad)
-    return out
+    return loss.detach(), xf.grad, wf.grad
 
 
 def rel_err(a, b):
@@ -229,7 +228,7 @@ def print_table(rows, first_call, env):
     if first_call:
         print(f"fused_ce fwd+bwd: first call after import {first_call[0]:.1f} ms, warm {first_call[1]:.1f} ms "
               f"(first shape)")
-    header = f"| shape | method | fwd+bwd ms | TFLOP/s | x floor | workspace GiB | err loss | err dX | err dW |"
+    header = "| shape | method | fwd+bwd ms | TFLOP/s | x floor | workspace GiB | err loss | err dX | err dW |"
     print(header)
     print("|" + "---|" * 9)
     for r in rows:

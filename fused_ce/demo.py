@@ -10,6 +10,7 @@ allocator; on CPU from the process's peak resident memory, each method in a
 fresh process.
 """
 import argparse
+import io
 import json
 import resource
 import subprocess
@@ -107,8 +108,6 @@ def main():
             cmd = [sys.executable, "-m", "fused_ce.demo", "--worker", name, "--device", "cpu",
                    "--n", str(n), "--d", str(d), "--v", str(v), "--repeat", str(args.repeat)]
             out = subprocess.run(cmd, capture_output=True, check=True)
-            import io
-
             results[name] = torch.load(io.BytesIO(out.stdout))
 
     ref, ours = results["pytorch"], results["fused_ce"]

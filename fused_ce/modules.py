@@ -1,7 +1,6 @@
 """The module front: a drop-in for ``torch.nn.LinearCrossEntropyLoss``."""
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from .functional import linear_cross_entropy
