@@ -47,6 +47,14 @@ const KernelVariant* select(const char* kernel, const Problem& p, const at::Tens
   return find_variant(kernel, dtype, "general", arch);
 }
 
+const KernelVariant* select_elementwise(const char* kernel, const at::Tensor& t) {
+  const char* dtype = dtype_name(t.scalar_type());
+  if (dtype == nullptr) return nullptr;
+  const int arch = device_arch(t.device().index());
+  const KernelVariant* aligned = aligned16(t) ? find_variant(kernel, dtype, "aligned", arch) : nullptr;
+  return aligned != nullptr ? aligned : find_variant(kernel, dtype, "general", arch);
+}
+
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 KernelArgs common_args(const Problem& p) {
@@ -132,6 +140,20 @@ RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at
       .i32("has_smoothing", need_weighted_z_sum).i32("write_grad", write_grad);
   launch(v, p.x.device(), p.N, args);
   return {stats[0], stats[1], need_weighted_z_sum ? stats[2] : at::Tensor()};
+}
+
+bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
+  if (cuda_kernels_disabled() || !grad.is_contiguous() || scale.scalar_type() != at::kFloat ||
+      scale.device() != grad.device()) {
+    return false;
+  }
+  const KernelVariant* v = select_elementwise("scale", grad);
+  if (v == nullptr) return false;
+  KernelArgs args;
+  args.ptr("g_ptr", grad).ptr("scale_ptr", scale).i64("numel", grad.numel());
+  const int64_t programs = 4 * int64_t{device_sm_count(grad.device().index())};
+  launch(*v, grad.device(), std::clamp<int64_t>(cdiv(grad.numel(), v->block_v), 1, programs), args);
+  return true;
 }
 
 }  // namespace fused_ce

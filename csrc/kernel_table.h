@@ -6,7 +6,7 @@
 namespace fused_ce {
 
 struct KernelVariant {
-  const char* kernel;  // "row_stats" | "logit_grad"
+  const char* kernel;  // "row_stats" | "logit_grad" | "softmax_grad" | "scale"
   const char* dtype;   // "bf16" | "fp16" | "fp32"
   const char* layout;  // "aligned" | "general"
   int arch;            // compute capability, e.g. 90

@@ -26,7 +26,9 @@ struct LossOptions {
   std::optional<int64_t> workspace_bytes;
 };
 
-constexpr int64_t kDefaultCudaWorkspace = int64_t{448} << 20;
+// 2048 rows of logits at V = 128256 (1024 at V = 256000) in bf16, so that the
+// whole workspace stays under 0.5 GiB.
+constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
 constexpr int64_t kDefaultCpuWorkspace = int64_t{16} << 20;
 
 Reduction parse_reduction(c10::string_view r) {
@@ -216,15 +218,28 @@ GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const
   return c;
 }
 
-// Rows of stored logits per block in the workspace, for the paths that store
+// Rows of stored logits that fit in the workspace, for the paths that store
 // logits (cuBLAS GEMMs); 0 when they must not be stored: float16 logits could
 // overflow, so float16 uses the tl.dot tiles (fp32 accumulators) instead.
 constexpr int64_t kMinCublasRows = 512;  // below this the logits GEMM loses efficiency
+constexpr int64_t kGemmTileRows = 128;   // cuBLAS's row tile: blocks in whole tiles waste none
 
-int64_t logits_block_rows(const Problem& p, const LossOptions& o) {
+int64_t max_logits_rows(const Problem& p, const LossOptions& o) {
   if (p.x.scalar_type() == at::kHalf) return 0;
   const int64_t elem = c10::elementSize(p.x.scalar_type());
   return std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
+}
+
+// The rows per block actually used: at most `capacity`, in whole GEMM tiles,
+// and balanced so that the last block is not a short tail (a thin block runs
+// its GEMMs below their rate).
+int64_t balanced_block_rows(int64_t N, int64_t capacity) {
+  if (capacity >= N) return std::max<int64_t>(N, 1);
+  const int64_t quantum = capacity >= kGemmTileRows ? kGemmTileRows : 1;
+  const int64_t limit = capacity / quantum * quantum;
+  const int64_t blocks = (N + limit - 1) / limit;
+  const int64_t rows = (N + blocks - 1) / blocks;
+  return (rows + quantum - 1) / quantum * quantum;  // <= limit
 }
 
 // raw logits x @ w.T + b of the rows of `p` into `out`
@@ -268,10 +283,10 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
   if (p.N == 0) {
     s = empty_stats(p);
   } else if (use_kernels(p)) {
-    const int64_t rows = logits_block_rows(p, o);
-    if (rows >= kMinCublasRows || rows == p.N) {
+    const int64_t capacity = max_logits_rows(p, o);
+    if (capacity >= kMinCublasRows || capacity == p.N) {
       // cuBLAS writes blocks of logits, a row pass reduces them
-      s = stats_from_logit_blocks(p, rows, need_wz);
+      s = stats_from_logit_blocks(p, balanced_block_rows(p.N, capacity), need_wz);
     } else {
       s = cuda_row_stats(p, need_wz);  // no room for logits: tl.dot tiles reduced in registers
     }
@@ -403,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const GradCoefficients c = grad_coefficients(p, o, at::ones({}, p.x.options().dtype(dtype)), std::nullopt);
 
   const bool kernels = use_kernels(p);
-  if (kernels && logits_block_rows(p, o) == 0) {
+  if (kernels && max_logits_rows(p, o) == 0) {
     // Stored float16 logits could overflow: recompute them in float32 tiles instead.
     auto [loss, lse] = linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
                                             ignore_index, label_smoothing, z_loss, softcap, logit_scale,
@@ -420,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   // as cuBLAS's addmm does, to stay within the workspace).
   const auto gemm_dtype = kernels ? p.x.scalar_type() : dtype;
   const int64_t elem = c10::elementSize(gemm_dtype);
-  const int64_t rows = kernels ? logits_block_rows(p, o)
+  const int64_t rows = kernels ? balanced_block_rows(p.N, max_logits_rows(p, o))
                                : std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
   const int64_t row_blocks = (p.N + rows - 1) / rows;
   const auto opts = p.x.options();
@@ -462,6 +477,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
           need_x ? grad_x.to(input.scalar_type()).reshape(input.sizes()) : empty_grad(p),
           need_w ? grad_w.to(linear_weight.scalar_type()) : empty_grad(p),
           need_b ? grad_b.to(p.bias.scalar_type()) : empty_grad(p)};
+}
+
+void scale_grad_(const at::Tensor& grad, const at::Tensor& scale) {
+  TORCH_CHECK(scale.numel() == 1, "fused_ce::_scale_grad_: scale must hold one value, got shape ", shape(scale.sizes()));
+  TORCH_CHECK(scale.device() == grad.device() || (scale.is_cpu() && scale.dim() == 0),
+              "fused_ce::_scale_grad_: scale is on ", scale.device().str(), " but grad is on ", grad.device().str());
+  if (grad.numel() == 0) return;
+  const at::Tensor s = scale.reshape({});
+  if (grad.is_cuda() && cuda_scale_(grad, s)) return;
+  grad.mul_(s);
 }
 
 }  // namespace fused_ce

@@ -35,4 +35,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap, double logit_scale,
     std::optional<int64_t> workspace_bytes, std::array<bool, 3> output_mask);
 
+// fused_ce::_scale_grad_: grad *= scale in place, for gradients computed in the
+// forward; on CUDA a kernel that reads scale on the device and returns at once
+// when it is 1, so `loss.backward()` costs no pass and no synchronisation.
+void scale_grad_(const at::Tensor& grad, const at::Tensor& scale);
+
 }  // namespace fused_ce

@@ -84,8 +84,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       ctx->saved_data.erase(precomputed);  // once: a second backward recomputes
       if (!grad_lse.defined()) {
         if (!grad_loss.defined()) grad_loss = at::zeros({}, lse.options());
+        static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
         const auto scale = [&](at::Tensor& g, bool needed) {
-          if (needed) g.mul_(grad_loss.to(g.scalar_type()));
+          if (needed) scale_op.call(g, grad_loss);
         };
         gx = list[0];
         gw = list[1];
@@ -198,17 +199,20 @@ TORCH_LIBRARY(fused_ce, m) {
       "Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, "
       "float logit_scale, int? workspace_bytes, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
   m.def("_embedded_archs() -> int[]", &embedded_archs);
   m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
+  m.impl("_scale_grad_", &scale_grad_);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, CUDA, m) {
+  m.impl("_scale_grad_", &scale_grad_);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);

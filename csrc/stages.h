@@ -75,4 +75,9 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
 RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
                            bool need_weighted_z_sum, bool write_grad = true);
 
+// grad *= scale (a one-element float32 tensor on grad's device), in place, with
+// the embedded kernel that skips the pass when scale is 1. False where it does
+// not apply (no cubin, non-contiguous grad, ...): the caller multiplies instead.
+bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale);
+
 }  // namespace fused_ce

@@ -41,3 +41,8 @@ def _linear_cross_entropy_with_grad_fake(input, linear_weight, target, linear_bi
                                                 reduction, ignore_index, label_smoothing, z_loss, softcap,
                                                 logit_scale, workspace_bytes, output_mask)
     return (loss, lse, *grads)
+
+
+@torch.library.register_fake("fused_ce::_scale_grad_")
+def _scale_grad_fake(grad, scale):
+    torch._check(scale.numel() == 1, lambda: "fused_ce::_scale_grad_: scale must hold one value")

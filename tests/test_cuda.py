@@ -32,7 +32,8 @@ def test_embedded_kernels_run_without_fallback(dtype, aligned):
     half = dtype == torch.float16
     expected = {
         "loss only": ("row_stats_kernel",) if half else ("softmax_grad_kernel",),
-        "scalar loss, backward": ("row_stats_kernel", "logit_grad_kernel") if half else ("softmax_grad_kernel",),
+        "scalar loss, backward": ("row_stats_kernel", "logit_grad_kernel") if half
+        else ("softmax_grad_kernel", "scale_kernel"),
         "per-row loss, backward": ("row_stats_kernel", "logit_grad_kernel") if half
         else ("softmax_grad_kernel", "logit_grad_kernel"),
     }
@@ -50,6 +51,24 @@ def test_embedded_kernels_run_without_fallback(dtype, aligned):
             assert any(kernel in n for n in names), (name, kernel, sorted(names))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scale_grad_skips_unit_scale(dtype):
+    # loss.backward() scales the forward's gradients by 1: the kernel must leave
+    # them bitwise as they are; any other scale multiplies in float32.
+    g = torch.randn(3001, 129, device="cuda").to(dtype)
+    before = g.clone()
+    names = kernel_names(lambda: torch.ops.fused_ce._scale_grad_(g, torch.ones((), device="cuda")))
+    assert any("scale_kernel" in n for n in names), sorted(names)
+    assert torch.equal(g, before)
+    s = torch.rand((), device="cuda") + 0.5
+    torch.ops.fused_ce._scale_grad_(g, s)
+    assert torch.equal(g, (before.float() * s).to(dtype))
+    odd = before[1:]  # not 16-byte aligned: the general variant
+    odd_before = odd.clone()
+    torch.ops.fused_ce._scale_grad_(odd, s)
+    assert torch.equal(odd, (odd_before.float() * s).to(dtype))
+
+
 FALLBACK_CHECK = r"""
 import sys, torch, fused_ce
 sys.path.insert(0, "tests")
@@ -62,7 +81,7 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) a
     none = fused_ce.linear_cross_entropy(x, w, t, reduction="none")
     torch.cuda.synchronize()
 names = " ".join(e.name for e in prof.events())
-assert "row_stats" not in names and "softmax_grad" not in names and "logit_grad" not in names, names
+assert not any(k in names for k in ("row_stats", "softmax_grad", "logit_grad", "scale_kernel")), names
 ref = [v.double().requires_grad_() for v in (x, w, b)]
 r = reference_loss(ref[0], ref[1], t, linear_bias=ref[2], label_smoothing=0.1)
 r.backward()

@@ -23,6 +23,13 @@ def test_opcheck(device, kw):
     torch.library.opcheck(torch.ops.fused_ce.linear_cross_entropy.default, args, kwargs)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_opcheck_scale_grad(device, scale):
+    g = torch.randn(300, 7, device=device).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.fused_ce._scale_grad_.default, (g, torch.tensor(scale, device=device)))
+
+
 class TinyLM(torch.nn.Module):
     def __init__(self, vocab, dim):
         super().__init__()

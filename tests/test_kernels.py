@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 from conftest import KERNEL_TEST_DEVICE as DEVICE  # noqa: E402
-from fused_ce.kernels import jit  # noqa: E402
+from fused_ce.kernels import configs, jit  # noqa: E402
 from reference import make_problem  # noqa: E402
 
 
@@ -135,3 +135,15 @@ def test_softmax_grad(case):
     ref = ref * scale
     torch.testing.assert_close(logits.double(), ref, rtol=tol, atol=tol)
     assert torch.isnan(stored[:, V:]).all(), "wrote past the row"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scale(dtype):
+    n = 3 * configs.INTERPRETER_ROW.block + 5  # several blocks per program and a tail
+    g = torch.randn(n, device=DEVICE).to(dtype)
+    before = g.clone()
+    jit.scale_(g, torch.tensor(1.0, device=DEVICE), programs=2)
+    assert torch.equal(g, before), "a scale of 1 must leave the gradient untouched"
+    s = torch.rand((), device=DEVICE) + 0.5
+    jit.scale_(g, s, programs=2)
+    torch.testing.assert_close(g, (before.float() * s).to(dtype), rtol=0, atol=0)

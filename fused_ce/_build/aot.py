@@ -69,6 +69,7 @@ _SIGNATURES = {
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"), ("write_grad", "i32"),
     ],
+    "scale": [("g_ptr", "*T"), ("scale_ptr", "*fp32"), ("numel", "i64")],
 }
 # What the "aligned" layout may assume (checked at run time by csrc/cuda_ops.cpp).
 _ALIGNED_DIVISIBLE_16 = {"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv", "g_ptr", "stride_gn", "logits_ptr",
@@ -98,8 +99,10 @@ def variant_spec(kernel, dtype, layout, arch):
         }
         blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d, group_n=cfg.group_n)
     else:
-        cfg = configs.row_config(arch, dtype)
-        constexprs = {"BLOCK": cfg.block, "FAST_TANH": configs.fast_tanh(dtype)}
+        cfg = configs.row_config(arch, dtype, kernel)
+        constexprs = {"BLOCK": cfg.block}
+        if kernel == "softmax_grad":
+            constexprs["FAST_TANH"] = configs.fast_tanh(dtype)
         blocks = dict(block_n=1, block_v=cfg.block, block_d=0, group_n=0)
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
     for i, (name, ty) in enumerate(sig):

@@ -7,7 +7,7 @@ benchmarks/NOTES.md for how each entry was chosen.
 from dataclasses import dataclass
 
 GEMM_KERNELS = ("row_stats", "logit_grad")  # logits tiles from tl.dot; TileConfig
-ROW_KERNELS = ("softmax_grad",)  # one program per row of stored logits; RowConfig
+ROW_KERNELS = ("softmax_grad", "scale")  # 1-D grids over stored rows or elements; RowConfig
 KERNELS = GEMM_KERNELS + ROW_KERNELS
 DTYPES = ("bf16", "fp16", "fp32")
 # "aligned": unit inner strides, 16-byte aligned base pointers, row strides and D
@@ -57,9 +57,11 @@ INTERPRETER = TileConfig(16, 32, 16, 2, 4, 1)
 INTERPRETER_ROW = RowConfig(64, 4)
 
 
-def row_config(arch: int, dtype: str) -> RowConfig:
-    # Memory-bound. H200, 2048 x 128256 bf16 chunk (benchmarks/NOTES.md): 2048/8 warps
-    # 2.19 TB/s, 4096/8 1.75, 8192/16 1.88, 2048/4 2.04.
+def row_config(arch: int, dtype: str, kernel: str = "softmax_grad") -> RowConfig:
+    if kernel == "scale":  # elementwise: 16 bytes per thread per access
+        return RowConfig(4096 if dtype != "fp32" else 2048, 8)
+    # softmax_grad is memory-bound; chosen by the H200 sweeps of benchmarks/tune.py (benchmarks/NOTES.md, steps
+    # 4 and 8). float32 rows take half the block: the same bytes per thread.
     return RowConfig(2048 if dtype != "fp32" else 1024, 8)
 
 

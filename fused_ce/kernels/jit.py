@@ -9,6 +9,7 @@ import triton
 from . import configs
 from .logit_grad import logit_grad_kernel
 from .row_stats import row_stats_kernel
+from .scale import scale_kernel
 from .softmax_grad import softmax_grad_kernel
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -85,7 +86,7 @@ def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=
         cfg = config or configs.row_config(major * 10 + minor, _DTYPES[logits.dtype])
         fast_tanh = configs.fast_tanh(_DTYPES[logits.dtype])
     else:
-        cfg, fast_tanh = configs.INTERPRETER_ROW, False  # the interpreter runs no inline PTX
+        cfg, fast_tanh = config or configs.INTERPRETER_ROW, False  # the interpreter runs no inline PTX
     stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
     softmax_grad_kernel[(N,)](
         logits, target if class_weight is None else class_weight, target, alpha, alpha_lse, beta, gamma,
@@ -93,3 +94,16 @@ def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=
         int(class_weight is not None), int(softcap is not None), int(smoothing), int(write_grad),
         BLOCK=cfg.block, FAST_TANH=fast_tanh, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return stats[0], stats[1], stats[2] if smoothing else None
+
+
+def scale_(g, scale, *, config=None, programs=None):
+    """g *= scale in place (g contiguous; scale a one-element float32 tensor); nothing when scale is 1."""
+    if g.is_cuda:
+        major, minor = torch.cuda.get_device_capability(g.device)
+        cfg = config or configs.row_config(major * 10 + minor, _DTYPES[g.dtype], "scale")
+        programs = programs or 4 * torch.cuda.get_device_properties(g.device).multi_processor_count
+    else:
+        cfg, programs = config or configs.INTERPRETER_ROW, programs or 4
+    grid = (max(1, min(triton.cdiv(g.numel(), cfg.block), programs)),)
+    scale_kernel[grid](g, scale, g.numel(), BLOCK=cfg.block, num_warps=cfg.num_warps)
+    return g
