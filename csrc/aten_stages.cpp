@@ -10,6 +10,7 @@ Problem Problem::rows(int64_t begin, int64_t end) const {
   Problem p = *this;
   p.x = x.narrow(0, begin, end - begin);
   p.target = target.narrow(0, begin, end - begin);
+  if (target_weight.defined()) p.target_weight = target_weight.narrow(0, begin, end - begin);
   p.N = end - begin;
   return p;
 }

@@ -47,6 +47,11 @@ const KernelVariant* select(const char* kernel, const Problem& p, const at::Tens
   return find_variant(kernel, dtype, "general", arch);
 }
 
+// Kernels whose arguments are float32/int64 whatever the inputs: one variant per arch.
+const KernelVariant* select_fixed(const char* kernel, const at::Device& device) {
+  return find_variant(kernel, "fp32", "general", device_arch(device.index()));
+}
+
 const KernelVariant* select_elementwise(const char* kernel, const at::Tensor& t) {
   const char* dtype = dtype_name(t.scalar_type());
   if (dtype == nullptr) return nullptr;
@@ -82,7 +87,8 @@ bool cuda_kernels_disabled() {
 
 bool cuda_kernels_available(const Problem& p) {
   return p.x.is_cuda() && !cuda_kernels_disabled() && select("row_stats", p, nullptr) != nullptr &&
-         select("logit_grad", p, nullptr) != nullptr && select("softmax_grad", p, nullptr) != nullptr;
+         select("logit_grad", p, nullptr) != nullptr && select("softmax_grad", p, nullptr) != nullptr &&
+         select_fixed("prepare_rows", p.x.device()) != nullptr && select_fixed("assemble_loss", p.x.device()) != nullptr;
 }
 
 RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum) {
@@ -140,6 +146,47 @@ RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at
       .i32("has_smoothing", need_weighted_z_sum).i32("write_grad", write_grad);
   launch(v, p.x.device(), p.N, args);
   return {stats[0], stats[1], need_weighted_z_sum ? stats[2] : at::Tensor()};
+}
+
+at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+                             double z_loss, bool mean, GradCoefficients* unit) {
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == p.N,
+              "fused_ce: bad target buffer");
+  const KernelVariant& v = *select_fixed("prepare_rows", p.x.device());
+  const auto f32 = p.x.options().dtype(at::kFloat);
+  p.target = at::empty({p.N}, target.options());
+  p.target_weight = at::empty({p.N}, f32);
+  p.totals = at::empty({3}, f32);
+  const at::Tensor bad = at::empty({1}, p.x.options().dtype(at::kInt));
+  const at::Tensor coef = unit != nullptr ? at::empty({4, p.N}, f32) : at::Tensor();
+  const auto row = [&](int i) { return coef.defined() ? coef[i] : at::Tensor(); };
+  KernelArgs args;
+  args.ptr("tgt_ptr", target).ptr("cw_ptr", p.class_weight).ptr("tgt_out_ptr", p.target)
+      .ptr("wt_ptr", p.target_weight).ptr("totals_ptr", p.totals).ptr("bad_ptr", bad)
+      .ptr("alpha_ptr", row(0)).ptr("alpha_lse_ptr", row(1)).ptr("beta_ptr", row(2)).ptr("gamma_ptr", row(3))
+      .i64("N", p.N).i64("V", p.V).i64("ignore_index", ignore_index)
+      .f32("label_smoothing", static_cast<float>(label_smoothing)).f32("z_loss", static_cast<float>(z_loss))
+      .i32("has_class_weight", p.class_weight.defined()).i32("mean", mean).i32("write_coefficients", unit != nullptr);
+  launch(v, p.x.device(), 1, args);
+  if (unit != nullptr) *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), row(3)};
+  return bad;
+}
+
+at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, double label_smoothing, double z_loss,
+                              int reduction) {
+  TORCH_CHECK(p.totals.defined() && p.target_weight.defined(), "fused_ce: rows not prepared on the device");
+  const KernelVariant& v = *select_fixed("assemble_loss", p.x.device());
+  const auto f32 = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; };
+  const at::Tensor lse = f32(s.lse), zt = f32(s.target_logit), wz = f32(s.weighted_z_sum);
+  at::Tensor loss = at::empty({reduction == 0 ? p.N : 1}, p.x.options().dtype(at::kFloat));
+  KernelArgs args;
+  args.ptr("lse_ptr", lse).ptr("zt_ptr", zt).ptr("wz_ptr", wz).ptr("tgt_ptr", p.target)
+      .ptr("wt_ptr", p.target_weight).ptr("totals_ptr", p.totals).ptr("loss_ptr", loss)
+      .i64("N", p.N).i64("V", p.V)
+      .f32("label_smoothing", static_cast<float>(label_smoothing)).f32("z_loss", static_cast<float>(z_loss))
+      .i32("has_smoothing", wz.defined()).i32("reduction", reduction);
+  launch(v, p.x.device(), 1, args);
+  return loss;
 }
 
 bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {

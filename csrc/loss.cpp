@@ -53,12 +53,23 @@ LossOptions make_options(c10::string_view reduction, int64_t ignore_index, doubl
   return {parse_reduction(reduction), ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes};
 }
 
+at::ScalarType loss_dtype(const Problem& p) {
+  return p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+bool use_kernels(const Problem& p);
+GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const at::Tensor& grad_loss,
+                                   const std::optional<at::Tensor>& grad_lse);
+
 // Checks the arguments and builds the 2-D problem. With `check_targets`, a
 // class index outside [0, V) that is not ignore_index is an error (one device
 // sync); the backward skips that, the forward has checked the same targets.
+// With `unit`, also the gradient coefficients of the (scalar) loss for an
+// upstream gradient of 1. On the kernel path one launch does all of that
+// (cuda_prepare_rows).
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-                     const LossOptions& o, bool check_targets) {
+                     const LossOptions& o, bool check_targets, GradCoefficients* unit = nullptr) {
   TORCH_CHECK(input.dim() >= 1, "linear_cross_entropy: input must have at least one dimension [..., D]");
   TORCH_CHECK(linear_weight.dim() == 2, "linear_cross_entropy: linear_weight must be 2-D [V, D], got shape ",
               shape(linear_weight.sizes()));
@@ -114,19 +125,24 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
                 " but input is on ", input.device().str());
     p.class_weight = cw.to(dtype == at::kDouble ? at::kDouble : at::kFloat).contiguous();
   }
-  const at::Tensor t = target.reshape({p.N}).to(at::kLong);
+  const at::Tensor t = target.reshape({p.N}).to(at::kLong).contiguous();
+  const auto bad_targets_error = [&] {
+    TORCH_CHECK(false, "linear_cross_entropy: target holds class indices outside [0, ", num(V),
+                ") that are not ignore_index (", num(o.ignore_index), ")");
+  };
+  if (p.N > 0 && use_kernels(p)) {
+    const at::Tensor bad = cuda_prepare_rows(p, t, o.ignore_index, o.label_smoothing, o.z_loss,
+                                             o.reduction == Reduction::Mean, unit);
+    if (check_targets && bad.item<int>() != 0) bad_targets_error();
+    return p;
+  }
   const at::Tensor ignored = t.eq(o.ignore_index);
   if (check_targets && p.N > 0) {
-    const bool bad = ignored.logical_not().logical_and_(t.lt(0).logical_or_(t.ge(V))).any().item<bool>();
-    TORCH_CHECK(!bad, "linear_cross_entropy: target holds class indices outside [0, ", num(V),
-                ") that are not ignore_index (", num(o.ignore_index), ")");
+    if (ignored.logical_not().logical_and_(t.lt(0).logical_or_(t.ge(V))).any().item<bool>()) bad_targets_error();
   }
   p.target = at::where(ignored, -1, t).contiguous();
+  if (unit != nullptr) *unit = grad_coefficients(p, o, at::ones({}, p.x.options().dtype(loss_dtype(p))), std::nullopt);
   return p;
-}
-
-at::ScalarType loss_dtype(const Problem& p) {
-  return p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 int64_t workspace_bytes(const Problem& p, const LossOptions& o) {
@@ -170,6 +186,11 @@ RowStats empty_stats(const Problem& p) {
 
 // The loss from the row stats (torch's semantics for weights and smoothing).
 at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const RowStats& s, at::IntArrayRef target_shape) {
+  if (p.totals.defined()) {  // rows prepared on the device: one kernel
+    const int code = o.reduction == Reduction::None ? 0 : o.reduction == Reduction::Mean ? 1 : 2;
+    const at::Tensor loss = cuda_assemble_loss(p, s, o.label_smoothing, o.z_loss, code);
+    return code == 0 ? loss.reshape(target_shape) : loss.reshape({});
+  }
   const auto [valid, wt] = row_weights(p);
   const double eps = o.label_smoothing;
   at::Tensor loss = (1.0 - eps) * wt * (s.lse - s.target_logit);
@@ -251,9 +272,31 @@ void logits_into(const Problem& p, at::Tensor& out) {
   }
 }
 
+// Label smoothing's class-weighted logit sum is linear in the logits when there
+// is no softcap: sum_c cw_c z_c = logit_scale * (x @ u + b . cw) with
+// u = w.T @ cw, two GEMVs instead of a class-weight load per logit in the row
+// kernel (which costs several % at V = 128K); the gradient's matching term
+// -gamma * cw is rank one too (linear_cross_entropy_with_grad).
+bool rank_one_smoothing(const Problem& p, bool need_wz) {
+  return need_wz && p.class_weight.defined() && !p.softcap.has_value();
+}
+
+at::Tensor class_weighted_w(const Problem& p) {  // u = w.T @ cw, [D]
+  return at::mv(p.w.t(), p.class_weight.to(p.w.scalar_type()));
+}
+
+at::Tensor weighted_z_sum(const Problem& p, const at::Tensor& u) {  // [N] float32
+  at::Tensor wz = at::mv(p.x, u).to(at::kFloat);
+  if (p.bias.defined()) wz.add_((p.bias.to(at::kFloat) * p.class_weight).sum());
+  return wz.mul_(p.logit_scale);
+}
+
 RowStats stats_from_logit_blocks(const Problem& p, int64_t rows, bool need_wz) {
   const auto opts = p.x.options().dtype(at::kFloat);
+  const bool rank_one = rank_one_smoothing(p, need_wz);
+  if (rank_one) need_wz = false;  // not from the kernel
   RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), need_wz ? at::empty({p.N}, opts) : at::Tensor()};
+  if (rank_one) s.weighted_z_sum = weighted_z_sum(p, class_weighted_w(p));
   at::Tensor buffer = at::empty({rows, p.V}, p.x.options());
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
@@ -411,11 +454,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
       make_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes_opt);
   TORCH_CHECK(o.reduction != Reduction::None,
               "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
-  const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o, /*check_targets=*/true);
+  GradCoefficients c;
+  const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o, /*check_targets=*/true, &c);
   const auto dtype = loss_dtype(p);
   const bool need_x = output_mask[0], need_w = output_mask[1], need_b = output_mask[2] && p.bias.defined();
   const bool need_wz = o.label_smoothing > 0.0;
-  const GradCoefficients c = grad_coefficients(p, o, at::ones({}, p.x.options().dtype(dtype)), std::nullopt);
 
   const bool kernels = use_kernels(p);
   if (kernels && max_logits_rows(p, o) == 0) {
@@ -451,6 +494,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   }
   const at::Tensor x = p.x.to(gemm_dtype);
   const at::Tensor w = p.w.to(gemm_dtype);
+  // The kernel leaves out the rank-one smoothing terms (rank_one_smoothing):
+  // dX -= logit_scale * gamma (x) u, dW -= logit_scale * cw (x) (x.T @ gamma),
+  // db -= logit_scale * cw * sum(gamma), and the weighted logit sums come from u.
+  const bool rank_one = kernels && rank_one_smoothing(p, need_wz);
+  const bool wz_from_rows = need_wz && !rank_one;
+  at::Tensor u, neg_gamma;
+  if (rank_one) {
+    u = class_weighted_w(p);
+    neg_gamma = c.gamma * -p.logit_scale;  // [N] float32
+    s.weighted_z_sum = weighted_z_sum(p, u);
+    if (need_w) grad_w = at::outer(p.class_weight.to(gemm_dtype), at::mv(x.t(), neg_gamma.to(gemm_dtype)));
+    if (need_b) grad_b.add_(p.class_weight * neg_gamma.sum());
+  }
   at::Tensor logits_buffer = kernels ? at::empty({rows, p.V}, opts.dtype(gemm_dtype)) : at::Tensor();
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
@@ -461,16 +517,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     if (kernels) {
       g = logits_buffer.narrow(0, 0, r1 - r0);
       logits_into(pr, g);
-      part = cuda_softmax_grad(pr, cr, g, need_wz);
+      part = cuda_softmax_grad(pr, cr, g, wz_from_rows);
     } else {
-      std::tie(part, g) = aten_stats_and_logit_grad(pr, cr, need_wz);
+      std::tie(part, g) = aten_stats_and_logit_grad(pr, cr, wz_from_rows);
       g = g.to(gemm_dtype);
     }
     s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
     s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
-    if (need_wz) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
-    if (need_x) gemm_into(grad_x.narrow(0, r0, r1 - r0), g, w, /*accumulate=*/false);
-    if (need_w) gemm_into(grad_w, g.t(), x.narrow(0, r0, r1 - r0), r0 > 0);
+    if (wz_from_rows) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
+    if (need_x) {
+      at::Tensor gx = grad_x.narrow(0, r0, r1 - r0);
+      if (rank_one) {
+        at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), g, w);
+      } else {
+        gemm_into(gx, g, w, /*accumulate=*/false);
+      }
+    }
+    if (need_w) gemm_into(grad_w, g.t(), x.narrow(0, r0, r1 - r0), r0 > 0 || rank_one);
     if (need_b) grad_b.add_(g.sum(0, false, dtype));
   }
   return {assemble_loss(p, o, s, target.sizes()), s.lse.reshape(target.sizes()),

@@ -24,6 +24,9 @@ struct Problem {
   at::Tensor bias;          // [V] or undefined
   at::Tensor class_weight;  // [V] float32 contiguous, or undefined
   at::Tensor target;        // [N] int64 contiguous; ignored rows hold -1
+  // Set where the rows were prepared on the device (cuda_prepare_rows), else undefined:
+  at::Tensor target_weight;  // [N] float32: the target's class weight (1 without), 0 where ignored
+  at::Tensor totals;         // [3] float32: sum of target_weight, rows counted, sum of the class weights
   double logit_scale = 1.0;
   std::optional<double> softcap;
   int64_t N = 0, V = 0, D = 0;
@@ -69,11 +72,24 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
                      const at::Tensor& out);
 // Forward with gradient: `logits` holds the raw logits x @ w.T + b of all rows
 // of `p` ([N, V], input dtype, unit column stride) and is overwritten with g;
-// returns the row stats (c.lse unused). Without label smoothing
-// (need_weighted_z_sum false) c.gamma must be zero: the kernel skips that term.
+// returns the row stats (c.lse unused). With need_weighted_z_sum false the
+// kernel neither sums the class-weighted logits nor applies the gamma term
+// (zero without label smoothing; added by the caller otherwise).
 // With write_grad false only the row stats are computed (c may be empty).
 RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
                            bool need_weighted_z_sum, bool write_grad = true);
+
+// Prologue (prepare_rows.py): from the raw int64 class indices `target` ([N],
+// contiguous), sets p.target (ignored rows -1), p.target_weight and p.totals,
+// and with `unit` the gradient coefficients of a scalar loss (mean or sum) for
+// an upstream gradient of 1. Returns the count of class indices outside
+// [0, V) that are not ignore_index ([1] int32 on the device; reading it syncs).
+at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+                             double z_loss, bool mean, GradCoefficients* unit);
+// Epilogue (assemble_loss.py): the loss from the row stats of a problem that
+// cuda_prepare_rows prepared; reduction 0 = 'none' ([N]), 1 = 'mean', 2 = 'sum' ([1]).
+at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, double label_smoothing, double z_loss,
+                              int reduction);
 
 // grad *= scale (a one-element float32 tensor on grad's device), in place, with
 // the embedded kernel that skips the pass when scale is 1. False where it does

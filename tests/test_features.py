@@ -35,6 +35,31 @@ def test_gradients_from_forward_match_recomputed(device, reduction):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_class_weighted_smoothing_without_softcap(device, dtype, reduction):
+    # Without a softcap, the class-weighted smoothing terms are rank one and the
+    # CUDA path computes them outside the row kernel (GEMVs and rank-one
+    # updates): loss-only forward and forward with gradient, over several blocks.
+    x, w, t, b = make_problem(90, 64, 700, dtype=dtype, device=device, bias=True)
+    cw = torch.rand(700, device=device) + 0.5
+    kw = dict(weight=cw, label_smoothing=0.2, z_loss=1e-3, logit_scale=0.8, reduction=reduction,
+              workspace_bytes=32 * 700 * 4)
+    xl, wl, bl = leaves(x, w, b)
+    loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl, **kw)
+    loss.backward()
+    with torch.no_grad():  # the default workspace holds all rows: the cuBLAS-block forward
+        loss_only = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, **dict(kw, workspace_bytes=None))
+    xr, wr, br = leaves(x.double(), w.double(), b.double())
+    ref = reference_loss(xr, wr, t, linear_bias=br, **{k: v for k, v in kw.items() if k != "workspace_bytes"})
+    ref.backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(loss, ref) < tol / 10 and rel_err(loss_only, ref) < tol / 10
+    for a, e in ((xl.grad, xr.grad), (wl.grad, wr.grad), (bl.grad, br.grad)):
+        assert rel_err(a, e) < tol, rel_err(a, e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_with_grad_op_opcheck(device):
     x, w, t, b = make_problem(24, 16, 40, device=device, bias=True)
     args = (x, w, t, b, torch.rand(40, device=device), "mean", -100, 0.1, 1e-3, 4.0, 1.0, None, [True, True, True])

@@ -147,3 +147,45 @@ def test_scale(dtype):
     s = torch.rand((), device=DEVICE) + 0.5
     jit.scale_(g, s, programs=2)
     torch.testing.assert_close(g, (before.float() * s).to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("class_weight", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_prepare_rows_and_assemble_loss(class_weight, reduction):
+    N, V, ignore = 150, 70, -7  # several blocks of the interpreter's 64 rows
+    t = torch.randint(0, V, (N,), device=DEVICE)
+    t[::5] = ignore
+    cw = torch.rand(V, device=DEVICE) + 0.5 if class_weight else None
+    eps, z = 0.1, 1e-2
+    tgt, wt, totals, bad, coef = jit.prepare_rows(t, V, ignore, class_weight=cw, label_smoothing=eps, z_loss=z,
+                                                  mean=reduction == "mean", coefficients=True)
+    valid = t != ignore
+    assert bad == 0
+    assert torch.equal(tgt, torch.where(valid, t, -1))
+    ref_wt = (cw[t.clamp_min(0)] if cw is not None else torch.ones(N, device=DEVICE)) * valid
+    torch.testing.assert_close(wt, ref_wt)
+    cw_sum = cw.sum() if cw is not None else torch.tensor(float(V), device=DEVICE)
+    torch.testing.assert_close(totals, torch.stack([ref_wt.sum(), valid.sum().float(), cw_sum]))
+    g_ce = 1 / ref_wt.sum() if reduction == "mean" else 1.0
+    g_z = 1 / valid.sum() if reduction == "mean" else 1.0
+    expected = (g_ce * ((1 - eps) * ref_wt + eps / V * cw_sum * valid), 2 * z * g_z * valid,
+                g_ce * (1 - eps) * ref_wt, g_ce * eps / V * valid.float())
+    for c, e in zip(coef, expected):
+        torch.testing.assert_close(c, e.float())
+    # the loss from random row statistics, against the same formula in torch
+    lse, zt, wz = (torch.randn(N, device=DEVICE) for _ in range(3))
+    zt = zt * valid
+    loss = jit.assemble_loss(lse, zt, wz, tgt, wt, totals, V, label_smoothing=eps, z_loss=z, reduction=reduction)
+    per_row = (1 - eps) * ref_wt * (lse - zt) + eps / V * valid * (cw_sum * lse - wz)
+    z_term = z * valid * lse**2
+    ref = {"none": per_row + z_term, "sum": per_row.sum() + z_term.sum(),
+           "mean": per_row.sum() / ref_wt.sum() + z_term.sum() / valid.sum()}[reduction]
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_rows_counts_bad_targets():
+    t = torch.tensor([0, 5, -1, 9, -100, 3], device=DEVICE)
+    tgt, _, totals, bad, _ = jit.prepare_rows(t, 9, -100)
+    assert bad == 2  # -1 and 9 are outside [0, 9) and not ignore_index
+    assert tgt.tolist() == [0, 5, -1, -1, -1, 3]
+    assert totals[1].item() == 3

@@ -70,6 +70,19 @@ _SIGNATURES = {
         ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"), ("write_grad", "i32"),
     ],
     "scale": [("g_ptr", "*T"), ("scale_ptr", "*fp32"), ("numel", "i64")],
+    "prepare_rows": [
+        ("tgt_ptr", "*i64"), ("cw_ptr", "*fp32"), ("tgt_out_ptr", "*i64"), ("wt_ptr", "*fp32"),
+        ("totals_ptr", "*fp32"), ("bad_ptr", "*i32"),
+        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
+        ("N", "i64"), ("V", "i64"), ("ignore_index", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
+        ("has_class_weight", "i32"), ("mean", "i32"), ("write_coefficients", "i32"),
+    ],
+    "assemble_loss": [
+        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("wt_ptr", "*fp32"),
+        ("totals_ptr", "*fp32"), ("loss_ptr", "*fp32"),
+        ("N", "i64"), ("V", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
+        ("has_smoothing", "i32"), ("reduction", "i32"),
+    ],
 }
 # What the "aligned" layout may assume (checked at run time by csrc/cuda_ops.cpp).
 _ALIGNED_DIVISIBLE_16 = {"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv", "g_ptr", "stride_gn", "logits_ptr",
@@ -221,7 +234,7 @@ def build(out_dir, archs=None, jobs=None, log=print):
         return json.loads(stamp.read_text())["archs"]
     jobs = jobs or max(1, os.cpu_count() or 1)
     work = [(k, d, l, a, str(out_dir)) for a in archs for k in configs.KERNELS
-            for d in configs.DTYPES for l in configs.LAYOUTS]
+            for d, l in configs.variant_keys(k)]
     results, failed = {}, {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(compile_variant, *w): w for w in work}

@@ -7,13 +7,23 @@ benchmarks/NOTES.md for how each entry was chosen.
 from dataclasses import dataclass
 
 GEMM_KERNELS = ("row_stats", "logit_grad")  # logits tiles from tl.dot; TileConfig
-ROW_KERNELS = ("softmax_grad", "scale")  # 1-D grids over stored rows or elements; RowConfig
+# 1-D grids over stored rows or elements, or one program over all rows; RowConfig
+ROW_KERNELS = ("softmax_grad", "scale", "prepare_rows", "assemble_loss")
 KERNELS = GEMM_KERNELS + ROW_KERNELS
 DTYPES = ("bf16", "fp16", "fp32")
 # "aligned": unit inner strides, 16-byte aligned base pointers, row strides and D
 # multiples of 16 elements, D a multiple of BLOCK_D. "general": anything else.
 LAYOUTS = ("aligned", "general")
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
+# Kernels whose arguments do not depend on the input dtype or layout: one variant per arch.
+DTYPE_FREE = ("prepare_rows", "assemble_loss")
+
+
+def variant_keys(kernel: str):
+    """The (dtype, layout) variants the build compiles for `kernel`."""
+    if kernel in DTYPE_FREE:
+        return [("fp32", "general")]
+    return [(d, l) for d in DTYPES for l in LAYOUTS]
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,8 @@ INTERPRETER_ROW = RowConfig(64, 4)
 def row_config(arch: int, dtype: str, kernel: str = "softmax_grad") -> RowConfig:
     if kernel == "scale":  # elementwise: 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
+    if kernel in ("prepare_rows", "assemble_loss"):  # one program over all rows: per-row bookkeeping
+        return RowConfig(1024, 4)
     # softmax_grad is memory-bound; chosen by the H200 sweeps of benchmarks/tune.py (benchmarks/NOTES.md, steps
     # 4 and 8). float32 rows take half the block: the same bytes per thread.
     return RowConfig(2048 if dtype != "fp32" else 1024, 8)

@@ -7,7 +7,9 @@ import torch
 import triton
 
 from . import configs
+from .assemble_loss import assemble_loss_kernel
 from .logit_grad import logit_grad_kernel
+from .prepare_rows import prepare_rows_kernel
 from .row_stats import row_stats_kernel
 from .scale import scale_kernel
 from .softmax_grad import softmax_grad_kernel
@@ -107,3 +109,39 @@ def scale_(g, scale, *, config=None, programs=None):
     grid = (max(1, min(triton.cdiv(g.numel(), cfg.block), programs)),)
     scale_kernel[grid](g, scale, g.numel(), BLOCK=cfg.block, num_warps=cfg.num_warps)
     return g
+
+
+def _single_program_config(t):
+    return configs.row_config(0, "fp32", "prepare_rows") if t.is_cuda else configs.INTERPRETER_ROW
+
+
+def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=0.0, z_loss=0.0, mean=True,
+                 coefficients=False, config=None):
+    """(target with -1 where ignored, target weight, totals [sum wt, #valid, sum cw], #bad, coefficients or None)."""
+    N = target.shape[0]
+    cfg = config or _single_program_config(target)
+    f32 = dict(dtype=torch.float32, device=target.device)
+    tgt_out = torch.empty_like(target)
+    wt = torch.empty(N, **f32)
+    totals = torch.empty(3, **f32)
+    bad = torch.empty(1, dtype=torch.int32, device=target.device)
+    coef = torch.empty(4, N, **f32) if coefficients else torch.empty(4, 1, **f32)
+    prepare_rows_kernel[(1,)](
+        target, target if class_weight is None else class_weight, tgt_out, wt, totals, bad,
+        coef[0], coef[1], coef[2], coef[3], N, V, ignore_index, float(label_smoothing), float(z_loss),
+        int(class_weight is not None), int(mean), int(coefficients), BLOCK=cfg.block, num_warps=cfg.num_warps)
+    return tgt_out, wt, totals, int(bad.item()), (tuple(coef) if coefficients else None)
+
+
+def assemble_loss(lse, target_logit, weighted_z_sum, target, wt, totals, V, *, label_smoothing=0.0, z_loss=0.0,
+                  reduction="mean", config=None):
+    """The loss from row statistics (target: -1 where ignored; wt and totals from prepare_rows)."""
+    N = lse.shape[0]
+    cfg = config or _single_program_config(lse)
+    code = {"none": 0, "mean": 1, "sum": 2}[reduction]
+    loss = torch.empty(N if code == 0 else 1, dtype=torch.float32, device=lse.device)
+    smoothing = weighted_z_sum is not None
+    assemble_loss_kernel[(1,)](
+        lse, target_logit, weighted_z_sum if smoothing else lse, target, wt, totals, loss, N, V,
+        float(label_smoothing), float(z_loss), int(smoothing), code, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    return loss if code == 0 else loss[0]

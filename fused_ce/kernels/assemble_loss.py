@@ -1,0 +1,51 @@
+"""Epilogue stage: the loss from the row statistics, in one launch.
+
+Per row (torch's semantics for class weights and label smoothing):
+``(1 - eps) * wt * (lse - z_target) + eps / V * valid * (sum(cw) * lse - sum_c cw_c z_c) + z_loss * valid * lse^2``;
+``reduction`` 0 writes it per row, 2 sums it, 1 ('mean') divides the cross-entropy
+part by the summed target weights and the z-loss part by the number of counted
+rows (NaN when nothing is counted, like torch). One program, rows in a fixed
+order: deterministic.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def assemble_loss_kernel(
+    lse_ptr, zt_ptr, wz_ptr, tgt_ptr, wt_ptr, totals_ptr, loss_ptr,
+    N, V,
+    label_smoothing, z_loss,
+    has_smoothing, reduction,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    eps = label_smoothing
+    cw_sum = tl.load(totals_ptr + 2)
+    ce_acc = tl.zeros((BLOCK,), tl.float32)
+    z_acc = tl.zeros((BLOCK,), tl.float32)
+    for r0 in range(0, N, BLOCK):
+        rows = r0 + offs
+        in_range = rows < N
+        lse = tl.load(lse_ptr + rows, mask=in_range, other=0.0)
+        w = tl.load(wt_ptr + rows, mask=in_range, other=0.0)
+        valid = (tl.load(tgt_ptr + rows, mask=in_range, other=-1) >= 0).to(tl.float32)
+        ce = (1.0 - eps) * w * (lse - tl.load(zt_ptr + rows, mask=in_range, other=0.0))
+        if has_smoothing:
+            wz = tl.load(wz_ptr + rows, mask=in_range, other=0.0)
+            ce += eps / tl.cast(V, tl.float32) * valid * (cw_sum * lse - wz)
+        z = z_loss * valid * lse * lse
+        if reduction == 0:
+            tl.store(loss_ptr + rows, ce + z, mask=in_range)
+        else:
+            ce_acc += tl.where(in_range, ce, 0.0)
+            z_acc += tl.where(in_range, z, 0.0)
+    if reduction != 0:
+        ce_total = tl.sum(ce_acc, axis=0)
+        z_total = tl.sum(z_acc, axis=0)
+        if reduction == 1:
+            ce_total = ce_total / tl.load(totals_ptr)
+            z_total = z_total / tl.load(totals_ptr + 1)
+        if z_loss > 0:
+            ce_total += z_total
+        tl.store(loss_ptr, ce_total)

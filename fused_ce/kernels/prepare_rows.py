@@ -1,0 +1,86 @@
+"""Prologue stage: the per-row quantities every later stage needs, in one launch.
+
+For each row: the target with ignored rows as -1, the target's class weight (1
+without class weights; 0 where ignored) and whether the class index is out of
+range; over all rows: the summed weights, the number of counted rows, the number
+of bad class indices and the sum of the class weights. With
+``write_coefficients``, also the logit-gradient coefficients of a scalar loss
+for an upstream gradient of 1 (see csrc/stages.h):
+``alpha = g_ce * ((1 - eps) * wt + eps / V * sum(cw) * valid)``,
+``alpha_lse = 2 * z_loss * g_z * valid``, ``beta = g_ce * (1 - eps) * wt``,
+``gamma = g_ce * eps / V * valid``, with ``g_ce = 1 / sum(wt)`` and
+``g_z = 1 / #valid`` for 'mean' (0 when nothing is counted), 1 for 'sum'.
+
+One program walks all rows (twice with coefficients): the sums come out in a
+fixed order, so they are deterministic, and the op's first call needs no ATen
+kernels for this bookkeeping (each one's first launch costs milliseconds).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _targets(tgt_ptr, cw_ptr, rows, N, V, ignore_index, has_class_weight):
+    in_range = rows < N
+    t = tl.load(tgt_ptr + rows, mask=in_range, other=ignore_index)
+    ignored = t == ignore_index
+    bad = (t < 0) | (t >= V)
+    bad = bad & ~ignored & in_range
+    valid = ~ignored & ~bad & in_range
+    if has_class_weight:
+        w = tl.load(cw_ptr + tl.where(valid, t, 0), mask=valid, other=0.0).to(tl.float32)
+    else:
+        w = valid.to(tl.float32)
+    return tl.where(valid, t, -1), w, valid, bad, in_range
+
+
+@triton.jit
+def prepare_rows_kernel(
+    tgt_ptr, cw_ptr, tgt_out_ptr, wt_ptr, totals_ptr, bad_ptr,
+    alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr,
+    N, V, ignore_index,
+    label_smoothing, z_loss,
+    has_class_weight, mean, write_coefficients,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    cw_acc = tl.zeros((BLOCK,), tl.float32)
+    if has_class_weight:
+        for c0 in range(0, V, BLOCK):
+            cols = c0 + offs
+            cw_acc += tl.load(cw_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+    w_acc = tl.zeros((BLOCK,), tl.float32)
+    valid_acc = tl.zeros((BLOCK,), tl.int32)
+    bad_acc = tl.zeros((BLOCK,), tl.int32)
+    for r0 in range(0, N, BLOCK):
+        rows = r0 + offs
+        t, w, valid, bad, in_range = _targets(tgt_ptr, cw_ptr, rows, N, V, ignore_index, has_class_weight)
+        tl.store(tgt_out_ptr + rows, t, mask=in_range)
+        tl.store(wt_ptr + rows, w, mask=in_range)
+        w_acc += w
+        valid_acc += valid.to(tl.int32)
+        bad_acc += bad.to(tl.int32)
+    w_sum = tl.sum(w_acc, axis=0)
+    n_valid = tl.sum(valid_acc, axis=0).to(tl.float32)
+    if has_class_weight:
+        cw_sum = tl.sum(cw_acc, axis=0)
+    else:
+        cw_sum = tl.cast(V, tl.float32)
+    tl.store(totals_ptr, w_sum)
+    tl.store(totals_ptr + 1, n_valid)
+    tl.store(totals_ptr + 2, cw_sum)
+    tl.store(bad_ptr, tl.sum(bad_acc, axis=0))
+
+    if write_coefficients:
+        g_ce = tl.where(mean != 0, tl.where(w_sum > 0, 1.0 / w_sum, 0.0), 1.0)
+        g_z = tl.where(mean != 0, tl.where(n_valid > 0, 1.0 / n_valid, 0.0), 1.0)
+        eps = label_smoothing
+        smooth = eps / tl.cast(V, tl.float32)
+        for r0 in range(0, N, BLOCK):
+            rows = r0 + offs
+            t, w, valid, bad, in_range = _targets(tgt_ptr, cw_ptr, rows, N, V, ignore_index, has_class_weight)
+            v = valid.to(tl.float32)
+            tl.store(alpha_ptr + rows, g_ce * ((1.0 - eps) * w + smooth * cw_sum * v), mask=in_range)
+            tl.store(alpha_lse_ptr + rows, 2.0 * z_loss * g_z * v, mask=in_range)
+            tl.store(beta_ptr + rows, g_ce * (1.0 - eps) * w, mask=in_range)
+            tl.store(gamma_ptr + rows, g_ce * smooth * v, mask=in_range)
