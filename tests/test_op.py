@@ -89,8 +89,8 @@ def test_fp16_within_torch_error(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_upstream_scaling(device, dtype):
     # The gradients of a scalar loss are computed in the forward and scaled by the
-    # upstream gradient in the backward: exact for powers of two (loss scaling),
-    # one extra rounding in the input dtype otherwise.
+    # upstream gradient in the backward (in float32, one rounding to the input
+    # dtype): exact for powers of two (loss scaling).
     x, w, t, b = make_problem(200, 64, 500, dtype=dtype, device=device, bias=True)
 
     def grads_for(upstream):
