@@ -2,15 +2,16 @@
 
     python benchmarks/first_call.py [--shape A]
 
-1. The first fused fwd+bwd after import against the next ones, in fresh processes
-   that first did nothing more (`plain`, twice), a tiny fused call (`op_warm`),
-   the op's GEMM shapes through torch.mm (`gemm_warm`) or its large allocations
-   (`alloc_warm`).
+1. The first fwd+bwd after import against the next ones, in fresh processes:
+   fused_ce and torch eager (`torch`), both also with CUDA_MODULE_LOADING=EAGER;
+   fused_ce after a tiny fused call (`op_warm`), after the op's GEMM shapes
+   through torch.mm (`gemm_warm`) or after its large allocations (`alloc_warm`).
 2. One process timing, each with a device sync, the first and second use of:
    the library's own kernel (one cubin load), a few ATen elementwise ops, and
    tiny loss-only and fwd+bwd calls in bf16 and fp32.
 """
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,11 @@ if mode == "gemm_warm":
 if mode == "alloc_warm":
     big = [torch.empty(n, device="cuda", dtype=torch.uint8) for n in (2 * V * D, 2 * N * D, 2 * 2048 * V)]
     del big
-import fused_ce
+if mode == "torch":
+    fn = lambda: torch.nn.functional.cross_entropy((x @ w.T).float(), t)
+else:
+    import fused_ce
+    fn = lambda: fused_ce.linear_cross_entropy(x, w, t)
 if mode == "op_warm":
     xs, ws = x[:64, :64].detach().clone().requires_grad_(), w[:128, :64].detach().clone().requires_grad_()
     fused_ce.linear_cross_entropy(xs, ws, t[:64] %% 128).backward()
@@ -50,9 +55,9 @@ times = []
 for i in range(4):
     x.grad = w.grad = None
     torch.cuda.synchronize(); s = time.perf_counter()
-    fused_ce.linear_cross_entropy(x, w, t).backward()
+    fn().backward()
     torch.cuda.synchronize(); times.append((time.perf_counter() - s) * 1e3)
-print(f"{mode:11s} setup {prep:7.1f} ms, first call {times[0]:7.1f} ms, then {times[1]:.1f} {times[2]:.1f} {times[3]:.1f}")
+print(f"{mode:11s} {sys.argv[2]:24s} setup {prep:7.1f} ms, first call {times[0]:7.1f} ms, then {times[1]:.1f} {times[2]:.1f} {times[3]:.1f}")
 """
 
 FIRST_USES = r"""
@@ -90,8 +95,13 @@ def main():
     parser.add_argument("--shape", default="A")
     args = parser.parse_args()
     N, D, V = SHAPES[args.shape]
-    for mode in ("plain", "plain", "op_warm", "gemm_warm", "alloc_warm"):
-        r = subprocess.run([sys.executable, "-c", WARMUPS % (N, D, V), mode], capture_output=True, text=True)
+    eager = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
+    runs = [("plain", None), ("plain", None), ("torch", None), ("plain", eager), ("torch", eager),
+            ("op_warm", None), ("gemm_warm", None), ("alloc_warm", None)]
+    for mode, env in runs:
+        label = "CUDA_MODULE_LOADING=EAGER" if env else "-"
+        r = subprocess.run([sys.executable, "-c", WARMUPS % (N, D, V), mode, label], capture_output=True, text=True,
+                           env=env)
         print(r.stdout.strip() or r.stderr[-1500:], flush=True)
     r = subprocess.run([sys.executable, "-c", FIRST_USES], capture_output=True, text=True)
     print(r.stdout.strip() or r.stderr[-1500:])

@@ -2,17 +2,16 @@
 
     python benchmarks/tune.py [--shape A]
 
-On a GPU with triton: times the first call after import against a warm one in
-fresh processes (fused_ce and torch eager), and the kernels' JIT builds under
-candidate configurations (row_stats for the loss-only forward, softmax_grad for
-the forward with gradient). Prints tables; writes tune.json to --out. The
-per-kernel breakdown of a step is benchmarks/trace.py.
+On a GPU with triton: times the kernels' JIT builds under candidate
+configurations (row_stats for the loss-only forward, softmax_grad for the
+forward with gradient). Prints tables; writes tune.json to --out. The
+per-kernel breakdown of a step is benchmarks/trace.py; the first call's
+cost, benchmarks/first_call.py.
 """
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,34 +25,6 @@ ROW_STATS = [  # block_n, block_v, block_d, group_n, num_warps, num_stages
     (256, 128, 64, 16, 8, 3), (128, 128, 128, 16, 8, 2), (64, 256, 64, 16, 4, 4), (128, 256, 32, 16, 8, 4),
 ]
 SOFTMAX_GRAD = [(2048, 8), (1024, 4), (2048, 4), (4096, 8), (4096, 16), (8192, 16)]  # block, num_warps
-
-FIRST_CALL = r"""
-import sys, time, torch
-N, D, V = %d, %d, %d
-torch.mm(torch.ones(64, 64, device="cuda"), torch.ones(64, 64, device="cuda"))
-x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = (torch.randn(V, D, device="cuda") / D**0.5).to(torch.bfloat16).requires_grad_()
-t = torch.randint(0, V, (N,), device="cuda")
-if sys.argv[1] == "fused_ce":
-    import fused_ce
-    fn = lambda: fused_ce.linear_cross_entropy(x, w, t)
-else:
-    fn = lambda: torch.nn.functional.cross_entropy((x @ w.T).float(), t)
-times = []
-for i in range(6):
-    x.grad = w.grad = None
-    torch.cuda.synchronize(); s = time.perf_counter()
-    if i == 0 and len(sys.argv) > 2:  # where the first call's extra time goes
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            fn().backward()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), file=sys.stderr)
-    else:
-        fn().backward()
-    torch.cuda.synchronize(); times.append((time.perf_counter() - s) * 1e3)
-print(times[0], sorted(times[1:])[2])
-"""
-
 
 def tune_row_stats(x, w, t, warmup, repeat):
     from fused_ce.kernels import configs, jit
@@ -105,28 +76,13 @@ def tune_softmax_grad(x, w, t, warmup, repeat):
     return rows
 
 
-def first_call(N, D, V, profile=False, env=None):
-    out = {}
-    for who in ("fused_ce", "torch"):
-        argv = [sys.executable, "-c", FIRST_CALL % (N, D, V), who] + (["profile"] if profile else [])
-        r = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
-        if r.returncode == 0:
-            first, warm = map(float, r.stdout.split())
-            out[who] = dict(first_ms=first, warm_ms=warm)
-            if profile:
-                print(f"{who} first call, host time by op:\n{r.stderr[-6000:]}")
-        else:
-            print(r.stderr[-2000:], file=sys.stderr)
-    return out
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="A")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    parser.add_argument("--parts", default="first_call,row_stats,softmax_grad")
+    parser.add_argument("--parts", default="row_stats,softmax_grad")
     args = parser.parse_args()
     parts = args.parts.split(",")
     N, D, V = SHAPES[args.shape]
@@ -135,12 +91,6 @@ def main():
     env = environment()
     result = dict(env=env, shape=args.shape)
     print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}; shape {args.shape}")
-    if "first_call" in parts or "first_call_profile" in parts:
-        result["first_call"] = first_call(N, D, V, profile="first_call_profile" in parts)
-        print("first fwd+bwd after import vs warm (fresh processes):", result["first_call"], flush=True)
-    if "first_call_eager" in parts:  # are the first call's extra milliseconds CUDA's lazy module loading?
-        result["first_call_eager"] = first_call(N, D, V, env={"CUDA_MODULE_LOADING": "EAGER"})
-        print("the same with CUDA_MODULE_LOADING=EAGER:", result["first_call_eager"], flush=True)
     if "row_stats" in parts:
         result["row_stats"] = tune_row_stats(x, w, kernel_t, args.warmup, args.repeat)
         floor = 2 * N * D * V / 790e12 * 1e3
