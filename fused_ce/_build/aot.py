@@ -84,7 +84,7 @@ _SIGNATURES = {
         ("has_smoothing", "i32"), ("reduction", "i32"),
     ],
 }
-# What the "aligned" layout may assume (checked at run time by csrc/cuda_ops.cpp).
+# What the "aligned" layout may assume (checked at run time by csrc/cuda_stages.cpp).
 _ALIGNED_DIVISIBLE_16 = {"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv", "g_ptr", "stride_gn", "logits_ptr",
                          "stride_ln"}
 _ALIGNED_UNIT = {"stride_xd", "stride_wd"}
