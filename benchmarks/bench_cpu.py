@@ -69,7 +69,7 @@ def main():
         fig.tight_layout()
         fig.savefig(out / "cpu.png", dpi=120)
     except ImportError:
-        pass
+        print("matplotlib missing: no plot", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 // The stages in ATen: the CPU implementation, and the CUDA fallback where no
 // embedded cubin fits the device.
 #include <algorithm>
+#include <cmath>
 
 #include "stages.h"
 
@@ -38,11 +39,11 @@ at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
   return z;
 }
 
-// Row stats of the rows of p from their logits over the whole vocabulary.
-RowStats stats_of(const Problem& p, const at::Tensor& z, bool need_weighted_z_sum) {
+// The row stats that are linear in the logits z (over the whole vocabulary):
+// the target's logit and the class-weighted sum; lse left undefined.
+RowStats linear_stats_of(const Problem& p, const at::Tensor& z, bool need_weighted_z_sum) {
   const at::Tensor valid = p.target.ge(0);
   RowStats s;
-  s.lse = at::logsumexp(z, 1);
   s.target_logit = z.gather(1, at::where(valid, p.target, 0).unsqueeze(1)).squeeze(1) * valid;
   if (need_weighted_z_sum) {
     s.weighted_z_sum = p.class_weight.defined() ? z.matmul(p.class_weight.to(z.scalar_type())) : z.sum(1);
@@ -50,16 +51,23 @@ RowStats stats_of(const Problem& p, const at::Tensor& z, bool need_weighted_z_su
   return s;
 }
 
-// g from the logits z of columns [v_begin, v_end) (consumed: g is built in its
-// storage), with c.lse set.
-at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficients& c, int64_t v_begin,
-                            int64_t v_end) {
-  const auto dtype = z.scalar_type();
-  const at::Tensor lse = c.lse.to(dtype);
-  const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * lse;
-  // softcap'(z) needs z itself: keep 1 - (z / s)^2 before z turns into g
-  const at::Tensor dcap = p.softcap ? 1 - (z / *p.softcap).square_() : at::Tensor();
-  at::Tensor g = z.sub_(lse.unsqueeze(1)).exp_().mul_(alpha.unsqueeze(1));
+// Row stats of the rows of p from their logits over the whole vocabulary.
+RowStats stats_of(const Problem& p, const at::Tensor& z, bool need_weighted_z_sum) {
+  RowStats s = linear_stats_of(p, z, need_weighted_z_sum);
+  s.lse = at::logsumexp(z, 1);
+  return s;
+}
+
+// The softcap's slope at z, 1 - (z / s)^2, kept before z turns into g.
+at::Tensor softcap_slope(const Problem& p, const at::Tensor& z) {
+  return p.softcap ? 1 - (z / *p.softcap).square_() : at::Tensor();
+}
+
+// The rest of g once g holds p * alpha for columns [v_begin, v_end): the
+// one-hot and smoothing terms, the softcap's slope and the logit scale.
+at::Tensor finish_grad(at::Tensor g, const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
+                       const at::Tensor& dcap) {
+  const auto dtype = g.scalar_type();
   // one-hot term: only rows whose target falls in this column block
   const at::Tensor local = p.target - v_begin;
   const at::Tensor hit = local.ge(0).logical_and_(local.lt(v_end - v_begin));
@@ -72,6 +80,18 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
   if (dcap.defined()) g.mul_(dcap);
   if (p.logit_scale != 1.0) g.mul_(p.logit_scale);
   return g;
+}
+
+// g from the logits z of columns [v_begin, v_end) (consumed: g is built in its
+// storage), with c.lse set.
+at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficients& c, int64_t v_begin,
+                            int64_t v_end) {
+  const auto dtype = z.scalar_type();
+  const at::Tensor lse = c.lse.to(dtype);
+  const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * lse;
+  const at::Tensor dcap = softcap_slope(p, z);
+  z.sub_(lse.unsqueeze(1)).exp_().mul_(alpha.unsqueeze(1));
+  return finish_grad(std::move(z), p, c, v_begin, v_end, dcap);
 }
 
 }  // namespace
@@ -98,10 +118,19 @@ at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t 
 std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
                                                           bool need_weighted_z_sum) {
   at::Tensor z = logits(p, 0, p.V);
-  RowStats s = stats_of(p, z, need_weighted_z_sum);
-  GradCoefficients with_lse = c;
-  with_lse.lse = s.lse;
-  return {s, grad_from_logits(std::move(z), p, with_lse, 0, p.V)};
+  RowStats s = linear_stats_of(p, z, need_weighted_z_sum);
+  const at::Tensor dcap = softcap_slope(p, z);
+  // z becomes exp(z - max) in place; its row sums give the lse, and
+  // p * alpha = exp(z - max) * (alpha / sum): no logits-sized temporary and
+  // two passes fewer than logsumexp followed by exp(z - lse).
+  at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));
+  m.masked_fill_(m.abs() == INFINITY, 0);  // as logsumexp does for infinite maxima
+  const at::Tensor sum = z.sub_(m).exp_().sum(1, /*keepdim=*/true);
+  s.lse = (m + sum.log()).squeeze(1);
+  const auto dtype = z.scalar_type();
+  const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * s.lse;
+  z.mul_(alpha.unsqueeze(1) / sum);
+  return {s, finish_grad(std::move(z), p, c, 0, p.V, dcap)};
 }
 
 }  // namespace fused_ce

@@ -29,7 +29,7 @@ struct LossOptions {
 // 2048 rows of logits at V = 128256 (1024 at V = 256000) in bf16, so that the
 // whole workspace stays under 0.5 GiB.
 constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
-constexpr int64_t kDefaultCpuWorkspace = int64_t{16} << 20;
+constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
 
 Reduction parse_reduction(c10::string_view r) {
   if (r == "mean") return Reduction::Mean;

@@ -46,7 +46,7 @@ def linear_cross_entropy(
         logit_scale: logits become ``logit_scale * (input @ linear_weight.T + linear_bias)``, before the softcap.
         return_lse: also return the float32 log-sum-exp of the (scaled, capped) logits, shaped like ``target``.
             It is computed for every row, ignored rows included, and carries a gradient.
-        workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 16 MiB on CPU);
+        workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 32 MiB on CPU);
             larger blocks run closer to the GEMM rate, smaller ones save memory.
         options: accepted for compatibility with torch's signature and ignored: this loss is always chunked.
 
