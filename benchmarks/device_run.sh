@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run every test, benchmark; short table last.
-#   [SKIP_TESTS=1] [FEATURES=1] [DEMO=1] bash benchmarks/device_run.sh [bench.py arguments]
+#   [SKIP_TESTS=1] [FEATURES=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] bash benchmarks/device_run.sh [bench.py arguments]
 # Peers that the machine lacks travel as wheels in .whl/ (see benchmarks/NOTES.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -20,6 +20,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 if [ -n "${FEATURES:-}" ]; then
   python3 benchmarks/bench_features.py 2>&1 | tee "$OUT/features.log" | tail -16
+fi
+if [ -n "${TRACE:-}" ]; then
+  python3 benchmarks/trace.py --shapes A,B,C 2>&1 | tee "$OUT/trace.log" | grep -E "^==|summary"
+fi
+if [ -n "${FIRST_CALL:-}" ]; then
+  python3 benchmarks/first_call.py 2>&1 | tee "$OUT/first_call.log"
 fi
 if [ -n "${DEMO:-}" ]; then
   python3 -m fused_ce.demo 2>&1 | tee "$OUT/demo.log" | tail -6
