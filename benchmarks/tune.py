@@ -3,10 +3,13 @@
     python benchmarks/tune.py [--shape A]
 
 On a GPU with triton: times the kernels' JIT builds under candidate
-configurations (row_stats for the loss-only forward, softmax_grad for the
-forward with gradient). Prints tables; writes tune.json to --out. The
-per-kernel breakdown of a step is benchmarks/trace.py; the first call's
-cost, benchmarks/first_call.py.
+configurations (row_stats for the loss-only forward without stored logits; the
+tiles of logit_partials and softmax_grad for the passes over stored logits).
+Prints tables; writes tune.json to --out. The JIT specialises on integer
+arguments divisible by 16; the AOT variants declare the same only where
+fused_ce/_build/aot.py says so (NOTES.md, step 14), so check a JIT finding in
+the pipeline with benchmarks/trace.py, which also gives the per-kernel
+breakdown of a step. The first call's cost: benchmarks/first_call.py.
 """
 import argparse
 import json
@@ -24,7 +27,9 @@ ROW_STATS = [  # block_n, block_v, block_d, group_n, num_warps, num_stages
     (128, 128, 64, 16, 8, 4), (128, 128, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3),
     (256, 128, 64, 16, 8, 3), (128, 128, 128, 16, 8, 2), (64, 256, 64, 16, 4, 4), (128, 256, 32, 16, 8, 4),
 ]
-SOFTMAX_GRAD = [(2048, 8), (1024, 4), (2048, 4), (4096, 8), (4096, 16), (8192, 16)]  # block, num_warps
+# rows x columns per program, num_warps: the tiles of logit_partials and softmax_grad
+SOFTMAX_GRAD = [(4, 2048, 4), (2, 4096, 4), (8, 2048, 4), (4, 4096, 8), (2, 2048, 2), (16, 512, 4), (16, 1024, 8),
+                (8, 1024, 4), (8, 2048, 8), (32, 1024, 8)]
 
 def tune_row_stats(x, w, t, warmup, repeat):
     from fused_ce.kernels import configs, jit
@@ -43,35 +48,44 @@ def tune_row_stats(x, w, t, warmup, repeat):
     return rows
 
 
-def tune_softmax_grad(x, w, t, warmup, repeat):
-    """softmax_grad in situ: on a 2048-row block of logits just written by the cuBLAS GEMM, as in the fused
-    forward, under the GEMMs' sustained load; the full pass (read, re-read, write) and the stats-only pass.
-    Candidates are interleaved round by round so that clock drift hits them alike; median per candidate."""
+def softmax_grad_candidates():
+    """name -> fn(logits, target, ones, zeros, write_grad): the three forward stages under each tiling."""
     from fused_ce.kernels import configs, jit
 
-    n = min(x.shape[0], 2048)
+    def run(cfg):
+        return lambda logits, t, ones, zeros, write_grad: jit.softmax_grad(
+            logits, t, ones, zeros, ones, zeros, write_grad=write_grad, config=cfg)
+    return {f"{r}x{c}/{w}": run(configs.RowConfig(c, w, rows=r)) for r, c, w in SOFTMAX_GRAD}
+
+
+def tune_softmax_grad(x, w, t, warmup, repeat, candidates=None, block_rows=2048):
+    """The forward's passes over stored logits in situ: on a block of logits (`block_rows` rows: 2048 at A,
+    1024 at B) just written by the cuBLAS GEMM, as in the fused forward, under the GEMMs' sustained load;
+    with the gradient (read, re-read, write) and stats only. Candidates are interleaved round by round so
+    that clock drift hits them alike; median per candidate."""
+    candidates = candidates or softmax_grad_candidates()
+    n = min(x.shape[0], block_rows)
     logits = torch.empty(n, w.shape[0], dtype=x.dtype, device="cuda")
     ones = torch.ones(n, device="cuda")
     zeros = torch.zeros(n, device="cuda")
     gbytes = logits.numel() * logits.element_size() / 1e9
-    cases = [(c, write_grad) for c in SOFTMAX_GRAD for write_grad in (True, False)]
+    cases = [(name, write_grad) for name in candidates for write_grad in (True, False)]
     times = {case: [] for case in cases}
     for round_ in range(warmup + repeat):
         for case in cases:
-            (block, warps), write_grad = case
-            cfg = configs.RowConfig(block, warps)
+            name, write_grad = case
             torch.mm(x[:n], w.T, out=logits)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            jit.softmax_grad(logits, t[:n], ones, zeros, ones, zeros, write_grad=write_grad, config=cfg)
+            candidates[name](logits, t[:n], ones, zeros, write_grad)
             end.record()
             end.synchronize()
             if round_ >= warmup:
                 times[case].append(start.elapsed_time(end))
     rows = []
-    for (config, write_grad), ms_list in times.items():
+    for (name, write_grad), ms_list in times.items():
         ms = statistics.median(ms_list)
-        rows.append(dict(kernel="softmax_grad", config=config, write_grad=write_grad, ms=ms,
+        rows.append(dict(kernel="softmax_grad", config=name, write_grad=write_grad, ms=ms,
                          tb_per_s=(3 if write_grad else 1) * gbytes / ms))
     return rows
 
@@ -99,7 +113,7 @@ def main():
             print(f"  {r['config']}  {r['ms']:.2f} ms  {2 * N * D * V / r['ms'] / 1e9:.0f} TFLOP/s")
     if "softmax_grad" in parts:
         result["softmax_grad"] = tune_softmax_grad(x, w, kernel_t, args.warmup, args.repeat)
-        print("softmax_grad on a 2048-row chunk; (block, warps); TB/s counts 3 passes with "
+        print("forward passes over a 2048-row block of logits; rows x columns / warps; TB/s counts 3 passes with "
               "the gradient (read, re-read, write), 1 without:")
         for r in sorted(result["softmax_grad"], key=lambda r: (r["write_grad"], r["ms"])):
             print(f"  {str(r['config']):14s} write_grad={int(r['write_grad'])}  {r['ms']:.3f} ms  "

@@ -16,9 +16,25 @@ Problem Problem::rows(int64_t begin, int64_t end) const {
   return p;
 }
 
+Problem Problem::cols(int64_t begin, int64_t end) const {
+  const auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
+  Problem p = *this;
+  p.w = slice(w);
+  p.bias = slice(bias);
+  p.class_weight = slice(class_weight);
+  p.V = end - begin;
+  p.col_offset = col_offset + begin;
+  return p;
+}
+
 GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
   const auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
   return {slice(lse), slice(alpha), slice(alpha_lse), slice(beta), slice(gamma)};
+}
+
+RowStats RowStats::rows(int64_t begin, int64_t end) const {
+  const auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
+  return {slice(lse), slice(target_logit), slice(weighted_z_sum)};
 }
 
 namespace {

@@ -32,15 +32,19 @@ bool fits_aligned(const Problem& p, const KernelVariant& v, const at::Tensor* g)
   return xw && (g == nullptr || (aligned16(*g) && g->stride(0) % 16 == 0));
 }
 
-// `out`: the kernel's output block (logit_grad) or its stored logits (softmax_grad).
+bool reads_stored_logits(const char* kernel) {
+  return std::strcmp(kernel, "logit_partials") == 0 || std::strcmp(kernel, "softmax_grad") == 0;
+}
+
+// `out`: the kernel's output block (logit_grad) or its stored logits (logit_partials, softmax_grad).
 const KernelVariant* select(const char* kernel, const Problem& p, const at::Tensor* out) {
   const char* dtype = dtype_name(p.x.scalar_type());
   if (dtype == nullptr) return nullptr;
   const int arch = device_arch(p.x.device().index());
   const KernelVariant* aligned = find_variant(kernel, dtype, "aligned", arch);
   if (aligned != nullptr) {
-    const bool fits = std::strcmp(kernel, "softmax_grad") == 0
-                          ? out != nullptr && aligned16(*out) && out->stride(0) % 16 == 0
+    const bool fits = reads_stored_logits(kernel)
+                          ? out != nullptr && aligned16(*out) && out->stride(0) % 16 == 0 && p.V % 16 == 0
                           : fits_aligned(p, *aligned, out);
     if (fits) return aligned;
   }
@@ -56,7 +60,8 @@ const KernelVariant* select_elementwise(const char* kernel, const at::Tensor& t)
   const char* dtype = dtype_name(t.scalar_type());
   if (dtype == nullptr) return nullptr;
   const int arch = device_arch(t.device().index());
-  const KernelVariant* aligned = aligned16(t) ? find_variant(kernel, dtype, "aligned", arch) : nullptr;
+  const bool fits = aligned16(t) && t.numel() % 16 == 0;
+  const KernelVariant* aligned = fits ? find_variant(kernel, dtype, "aligned", arch) : nullptr;
   return aligned != nullptr ? aligned : find_variant(kernel, dtype, "general", arch);
 }
 
@@ -86,9 +91,11 @@ bool cuda_kernels_disabled() {
 }
 
 bool cuda_kernels_available(const Problem& p) {
-  return p.x.is_cuda() && !cuda_kernels_disabled() && select("row_stats", p, nullptr) != nullptr &&
-         select("logit_grad", p, nullptr) != nullptr && select("softmax_grad", p, nullptr) != nullptr &&
-         select_fixed("prepare_rows", p.x.device()) != nullptr && select_fixed("assemble_loss", p.x.device()) != nullptr;
+  if (!p.x.is_cuda() || cuda_kernels_disabled()) return false;
+  for (const char* kernel : {"row_stats", "logit_grad", "logit_partials", "combine_partials", "softmax_grad"}) {
+    if (select(kernel, p, nullptr) == nullptr) return false;
+  }
+  return select_fixed("prepare_rows", p.x.device()) != nullptr && select_fixed("assemble_loss", p.x.device()) != nullptr;
 }
 
 RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum) {
@@ -128,24 +135,69 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * cdiv(v_end - v_begin, v.block_v), args);
 }
 
-RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
-                           bool need_weighted_z_sum, bool write_grad) {
+namespace {
+
+void check_stored_logits(const Problem& p, const at::Tensor& logits) {
   TORCH_CHECK(logits.scalar_type() == p.x.scalar_type() && logits.stride(1) == 1 && logits.size(0) == p.N &&
                   logits.size(1) == p.V,
               "fused_ce: bad logits buffer");
+}
+
+void check_row_output(const Problem& p, const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == p.N, "fused_ce: bad row buffer");
+}
+
+}  // namespace
+
+int64_t cuda_logits_row_bytes(const Problem& p) {
+  const KernelVariant* tiles = select("logit_partials", p, nullptr);
+  const int64_t segments = tiles != nullptr ? cdiv(p.V, tiles->block_v) : 0;
+  return p.V * int64_t{c10::elementSize(p.x.scalar_type())} + 3 * int64_t{sizeof(float)} * segments;
+}
+
+void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out, bool need_weighted_z_sum) {
+  TORCH_CHECK(p.col_offset == 0, "fused_ce: row stats need whole vocabulary rows");
+  check_stored_logits(p, logits);
+  check_row_output(p, out.lse);
+  check_row_output(p, out.target_logit);
+  if (need_weighted_z_sum) check_row_output(p, out.weighted_z_sum);
+  const KernelVariant& tiles = *select("logit_partials", p, &logits);
+  const int64_t segments = cdiv(p.V, tiles.block_v);
+  const at::Tensor partials = at::empty({3, p.N, segments}, p.x.options().dtype(at::kFloat));
+  const auto transform = [&](KernelArgs& a) -> KernelArgs& {
+    return a.ptr("logits_ptr", logits).i64("stride_ln", logits.stride(0)).i64("segments", segments)
+        .f32("logit_scale", static_cast<float>(p.logit_scale))
+        .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
+        .i32("has_softcap", p.softcap.has_value()).i32("has_smoothing", need_weighted_z_sum);
+  };
+  KernelArgs partial_args;
+  transform(partial_args).ptr("cw_ptr", p.class_weight).ptr("pm_ptr", partials[0]).ptr("ps_ptr", partials[1])
+      .ptr("pw_ptr", partials[2]).i64("R", p.N).i64("V", p.V).i32("has_class_weight", p.class_weight.defined());
+  launch(tiles, p.x.device(), cdiv(p.N, tiles.block_n) * segments, partial_args);
+
+  const KernelVariant& combine = *select("combine_partials", p, &logits);
+  KernelArgs combine_args;
+  transform(combine_args).ptr("pm_ptr", partials[0]).ptr("ps_ptr", partials[1]).ptr("pw_ptr", partials[2])
+      .ptr("tgt_ptr", p.target).ptr("lse_ptr", out.lse).ptr("zt_ptr", out.target_logit)
+      .ptr("wz_ptr", out.weighted_z_sum).i64("R", p.N);
+  launch(combine, p.x.device(), cdiv(p.N, combine.block_n), combine_args);
+}
+
+void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
+                       bool gamma_terms) {
+  check_stored_logits(p, logits);
+  check_row_output(p, lse);
   const KernelVariant& v = *select("softmax_grad", p, &logits);
-  at::Tensor stats = at::empty({3, p.N}, p.x.options().dtype(at::kFloat));
+  const int64_t segments = cdiv(p.V, v.block_v);
   KernelArgs args;
-  args.ptr("logits_ptr", logits).ptr("cw_ptr", p.class_weight).ptr("tgt_ptr", p.target)
+  args.ptr("logits_ptr", logits).ptr("cw_ptr", p.class_weight).ptr("tgt_ptr", p.target).ptr("lse_ptr", lse)
       .ptr("alpha_ptr", c.alpha).ptr("alpha_lse_ptr", c.alpha_lse).ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma)
-      .ptr("lse_ptr", stats[0]).ptr("zt_ptr", stats[1]).ptr("wz_ptr", stats[2])
-      .i64("V", p.V).i64("stride_ln", logits.stride(0))
-      .f32("logit_scale", static_cast<float>(p.logit_scale))
+      .i64("R", p.N).i64("V", p.V).i64("stride_ln", logits.stride(0)).i64("segments", segments)
+      .i64("col_offset", p.col_offset).f32("logit_scale", static_cast<float>(p.logit_scale))
       .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
       .i32("has_class_weight", p.class_weight.defined()).i32("has_softcap", p.softcap.has_value())
-      .i32("has_smoothing", need_weighted_z_sum).i32("write_grad", write_grad);
-  launch(v, p.x.device(), p.N, args);
-  return {stats[0], stats[1], need_weighted_z_sum ? stats[2] : at::Tensor()};
+      .i32("has_smoothing", gamma_terms);
+  launch(v, p.x.device(), cdiv(p.N, v.block_n) * segments, args);
 }
 
 at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, int64_t ignore_index, double label_smoothing,

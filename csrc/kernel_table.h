@@ -6,7 +6,7 @@
 namespace fused_ce {
 
 struct KernelVariant {
-  const char* kernel;  // "row_stats" | "logit_grad" | "softmax_grad" | "scale"
+  const char* kernel;  // a kernel of fused_ce/kernels/configs.py: "row_stats", "softmax_grad", ...
   const char* dtype;   // "bf16" | "fp16" | "fp32"
   const char* layout;  // "aligned" | "general"
   int arch;            // compute capability, e.g. 90
@@ -15,7 +15,7 @@ struct KernelVariant {
   const char* function;  // entry point in the cubin
   int num_warps;
   int shared_bytes;
-  int block_n, block_v, block_d, group_n;
+  int block_n, block_v, block_d, group_n;  // row kernels: rows and columns per program in block_n, block_v
   int num_params;                  // named launch parameters, in order
   const char* const* param_names;
   const char* const* param_types;  // triton types: "*bf16", "i64", "i32", "fp32", ...

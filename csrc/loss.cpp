@@ -247,8 +247,7 @@ constexpr int64_t kGemmTileRows = 128;   // cuBLAS's row tile: blocks in whole t
 
 int64_t max_logits_rows(const Problem& p, const LossOptions& o) {
   if (p.x.scalar_type() == at::kHalf) return 0;
-  const int64_t elem = c10::elementSize(p.x.scalar_type());
-  return std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
+  return std::clamp<int64_t>(workspace_bytes(p, o) / cuda_logits_row_bytes(p), 1, std::max<int64_t>(p.N, 1));
 }
 
 // The rows per block actually used: at most `capacity`, in whole GEMM tiles,
@@ -303,10 +302,7 @@ RowStats stats_from_logit_blocks(const Problem& p, int64_t rows, bool need_wz) {
     const Problem pr = p.rows(r0, r1);
     at::Tensor logits = buffer.narrow(0, 0, r1 - r0);
     logits_into(pr, logits);
-    const RowStats part = cuda_softmax_grad(pr, GradCoefficients{}, logits, need_wz, /*write_grad=*/false);
-    s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
-    s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
-    if (need_wz) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
+    cuda_stats_from_logits(pr, logits, s.rows(r0, r1), need_wz);
   }
   return s;
 }
@@ -445,6 +441,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
           need_b ? grad_b.to(p.bias.scalar_type()) : empty_grad(p)};
 }
 
+namespace {
+
+constexpr int64_t kTileRows = 2048;  // rows of a 2-D tile: enough for the dW GEMM to stay compute-bound
+
+// Blocks of whole vocabulary rows re-read and re-write dW once per block beyond
+// the first. Where that traffic (at ~3 TB/s) would cost more than one more GEMM
+// pass over N x D x V (at ~700 TFLOP/s), as in lean workspaces, the gradients
+// come from 2-D tiles instead: kTileRows rows x a vocabulary slice, with the lse
+// from a forward pass first. 8NDV of GEMM work instead of 6NDV, but dW is
+// re-read only once per kTileRows rows. Returns the slice width, 0 for row blocks.
+// Measured at 64 MiB (benchmarks/NOTES.md, step 14): tiles win at B (128-row
+// blocks) by a third, lose at A and C (256-row blocks) by ~3%; the threshold
+// is not tuned yet.
+int64_t vocab_slice_cols(const Problem& p, const LossOptions& o, int64_t block_rows) {
+  const int64_t elem = c10::elementSize(p.x.scalar_type());
+  const int64_t blocks = (p.N + block_rows - 1) / block_rows;
+  const double dw_traffic_s = static_cast<double>(blocks - 1) * 2.0 * p.V * p.D * elem / 3e12;
+  const double gemm_pass_s = 2.0 * p.N * p.D * p.V / 700e12;
+  if (dw_traffic_s <= gemm_pass_s) return 0;
+  const int64_t cols = workspace_bytes(p, o) / (std::min(p.N, kTileRows) * elem) / kGemmTileRows * kGemmTileRows;
+  return cols >= 4 * kGemmTileRows && cols < p.V ? cols : 0;
+}
+
+// The forward with gradient in 2-D tiles (vocab_slice_cols): the row stats
+// from blocks of whole rows as in the loss-only forward, then per tile the
+// logits again, their gradient in place and its products with W and X.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_grad_in_tiles(
+    const Problem& p, const GradCoefficients& c, const LossOptions& o, int64_t cols, std::array<bool, 3> need,
+    const at::Tensor& input, const at::Tensor& target) {
+  const bool need_wz = o.label_smoothing > 0.0;
+  const RowStats s = stats_from_logit_blocks(p, balanced_block_rows(p.N, max_logits_rows(p, o)), need_wz);
+  const int64_t rows = balanced_block_rows(p.N, std::min(p.N, kTileRows));
+  const auto opts = p.x.options();
+  // dX accumulates over slices and dW over row tiles, in the input dtype as
+  // cuBLAS's addmm does (a float32 dX or dW would not fit a lean workspace).
+  at::Tensor grad_x = need[0] ? at::empty({p.N, p.D}, opts) : at::Tensor();
+  at::Tensor grad_w = need[1] ? at::empty({p.V, p.D}, opts) : at::Tensor();
+  at::Tensor grad_b = need[2] ? at::zeros({p.V}, opts.dtype(loss_dtype(p))) : at::Tensor();
+  const at::Tensor buffer = at::empty({rows * cols}, opts);
+  for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
+    const int64_t r1 = std::min(p.N, r0 + rows);
+    const Problem pr = p.rows(r0, r1);
+    const GradCoefficients cr = c.rows(r0, r1);
+    const at::Tensor lse = s.lse.narrow(0, r0, r1 - r0);
+    for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
+      const int64_t v1 = std::min(p.V, v0 + cols);
+      const Problem pt = pr.cols(v0, v1);
+      at::Tensor g = buffer.narrow(0, 0, pt.N * pt.V).view({pt.N, pt.V});  // contiguous, also the last slice
+      logits_into(pt, g);
+      cuda_softmax_grad(pt, cr, lse, g, need_wz);
+      if (need[0]) gemm_into(grad_x.narrow(0, r0, r1 - r0), g, pt.w, v0 > 0);
+      if (need[1]) gemm_into(grad_w.narrow(0, v0, v1 - v0), g.t(), pr.x, r0 > 0);
+      if (need[2]) grad_b.narrow(0, v0, v1 - v0).add_(g.sum(0, false, loss_dtype(p)));
+    }
+  }
+  return {assemble_loss(p, o, s, target.sizes()), s.lse.reshape(target.sizes()),
+          need[0] ? grad_x.reshape(input.sizes()) : empty_grad(p), need[1] ? grad_w : empty_grad(p),
+          need[2] ? grad_b.to(p.bias.scalar_type()) : empty_grad(p)};
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_grad(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
@@ -480,6 +538,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const int64_t elem = c10::elementSize(gemm_dtype);
   const int64_t rows = kernels ? balanced_block_rows(p.N, max_logits_rows(p, o))
                                : std::clamp<int64_t>(workspace_bytes(p, o) / (p.V * elem), 1, std::max<int64_t>(p.N, 1));
+  if (kernels && p.N > 0) {
+    const int64_t cols = vocab_slice_cols(p, o, rows);
+    if (cols > 0) return with_grad_in_tiles(p, c, o, cols, {need_x, need_w, need_b}, input, target);
+  }
   const int64_t row_blocks = (p.N + rows - 1) / rows;
   const auto opts = p.x.options();
   at::Tensor grad_x = need_x ? at::empty({p.N, p.D}, opts.dtype(gemm_dtype)) : at::Tensor();
@@ -487,18 +549,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   at::Tensor grad_w = need_w ? at::empty({p.V, p.D}, opts.dtype(w_acc)) : at::Tensor();
   at::Tensor grad_b = need_b ? at::zeros({p.V}, opts.dtype(dtype)) : at::Tensor();
   if (need_w && p.N == 0) grad_w.zero_();
-  RowStats s = empty_stats(p);
-  if (p.N > 0) {
-    const auto sopts = opts.dtype(dtype);
-    s = {at::empty({p.N}, sopts), at::empty({p.N}, sopts), need_wz ? at::empty({p.N}, sopts) : at::Tensor()};
-  }
-  const at::Tensor x = p.x.to(gemm_dtype);
-  const at::Tensor w = p.w.to(gemm_dtype);
   // The kernel leaves out the rank-one smoothing terms (rank_one_smoothing):
   // dX -= logit_scale * gamma (x) u, dW -= logit_scale * cw (x) (x.T @ gamma),
   // db -= logit_scale * cw * sum(gamma), and the weighted logit sums come from u.
   const bool rank_one = kernels && rank_one_smoothing(p, need_wz);
   const bool wz_from_rows = need_wz && !rank_one;
+  RowStats s = empty_stats(p);
+  if (p.N > 0) {
+    const auto sopts = opts.dtype(dtype);
+    s = {at::empty({p.N}, sopts), at::empty({p.N}, sopts), wz_from_rows ? at::empty({p.N}, sopts) : at::Tensor()};
+  }
+  const at::Tensor x = p.x.to(gemm_dtype);
+  const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor u, neg_gamma;
   if (rank_one) {
     u = class_weighted_w(p);
@@ -512,19 +574,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const int64_t r1 = std::min(p.N, r0 + rows);
     const Problem pr = p.rows(r0, r1);
     const GradCoefficients cr = c.rows(r0, r1);
-    RowStats part;
+    const RowStats block_stats = s.rows(r0, r1);
     at::Tensor g;
     if (kernels) {
       g = logits_buffer.narrow(0, 0, r1 - r0);
       logits_into(pr, g);
-      part = cuda_softmax_grad(pr, cr, g, wz_from_rows);
+      cuda_stats_from_logits(pr, g, block_stats, wz_from_rows);
+      cuda_softmax_grad(pr, cr, block_stats.lse, g, wz_from_rows);
     } else {
+      RowStats part;
       std::tie(part, g) = aten_stats_and_logit_grad(pr, cr, wz_from_rows);
       g = g.to(gemm_dtype);
+      block_stats.lse.copy_(part.lse);
+      block_stats.target_logit.copy_(part.target_logit);
+      if (wz_from_rows) block_stats.weighted_z_sum.copy_(part.weighted_z_sum);
     }
-    s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
-    s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
-    if (wz_from_rows) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
     if (need_x) {
       at::Tensor gx = grad_x.narrow(0, r0, r1 - r0);
       if (rank_one) {

@@ -30,14 +30,17 @@ struct Problem {
   double logit_scale = 1.0;
   std::optional<double> softcap;
   int64_t N = 0, V = 0, D = 0;
+  int64_t col_offset = 0;  // first class of w (a vocabulary slice); targets stay absolute class indices
 
   Problem rows(int64_t begin, int64_t end) const;  // same problem on rows [begin, end)
+  Problem cols(int64_t begin, int64_t end) const;  // on classes [begin, end) of this problem's w
 };
 
 struct RowStats {
   at::Tensor lse;             // [N] float32
   at::Tensor target_logit;    // [N] float32 (0 where the target is ignored)
   at::Tensor weighted_z_sum;  // [N] float32, only when asked for
+  RowStats rows(int64_t begin, int64_t end) const;  // views of rows [begin, end)
 };
 
 // Per-row coefficients of the logit gradient:
@@ -70,14 +73,20 @@ RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum);
 // into `out` ([N, >= v_end - v_begin], unit column stride).
 void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
                      const at::Tensor& out);
-// Forward with gradient: `logits` holds the raw logits x @ w.T + b of all rows
-// of `p` ([N, V], input dtype, unit column stride) and is overwritten with g;
-// returns the row stats (c.lse unused). With need_weighted_z_sum false the
-// kernel neither sums the class-weighted logits nor applies the gamma term
-// (zero without label smoothing; added by the caller otherwise).
-// With write_grad false only the row stats are computed (c may be empty).
-RowStats cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& logits,
-                           bool need_weighted_z_sum, bool write_grad = true);
+// Forward over stored logits: `logits` holds the raw logits x @ w.T + b of all
+// rows of `p` ([N, V], input dtype, unit column stride).
+// cuda_stats_from_logits writes their row stats into `out` (contiguous [N]
+// float32 views; weighted_z_sum only with need_weighted_z_sum) and leaves the
+// logits as they are: logit_partials.py, then combine_partials.py.
+void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out, bool need_weighted_z_sum);
+// cuda_softmax_grad then overwrites the logits with g, given the rows' lse
+// (c.lse unused); `p` may be a vocabulary slice (Problem::cols) of the rows.
+// With gamma_terms false the kernel leaves out the gamma term (zero without
+// label smoothing; added by the caller otherwise).
+void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
+                       bool gamma_terms);
+// Device memory per row of a block of stored logits: the logits and the partials.
+int64_t cuda_logits_row_bytes(const Problem& p);
 
 // Prologue (prepare_rows.py): from the raw int64 class indices `target` ([N],
 // contiguous), sets p.target (ignored rows -1), p.target_weight and p.totals,

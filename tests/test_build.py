@@ -49,3 +49,20 @@ def test_import_does_not_import_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("kernel", ["logit_partials", "softmax_grad", "scale"])
+def test_aligned_memory_bound_kernels_vectorise(kernel):
+    # Their speed is bandwidth: the aligned variants must move 16 bytes per access. A mask bound not known to
+    # be a multiple of 16 (V, numel) once made every access 2 bytes in the cubins while the JIT, which
+    # specialises on divisibility itself, was fast (benchmarks/NOTES.md, step 13).
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU, not interpret
+    code = f"from fused_ce._build import aot; print(aot.compile_kernel({kernel!r}, 'bf16', 'aligned', 90).asm['ptx'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ptx = out.stdout
+    assert "ld.global.v4" in ptx and "ld.global.b16" not in ptx
+    if kernel != "logit_partials":  # it stores per-row partials only
+        assert "st.global.v4" in ptx and "st.global.b16" not in ptx
+

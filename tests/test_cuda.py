@@ -24,18 +24,18 @@ def kernel_names(fn):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_embedded_kernels_run_without_fallback(dtype, aligned):
-    N, D, V = (256, 128, 1000) if aligned else (77, 72, 333)
+    N, D, V = (256, 128, 1024) if aligned else (77, 72, 333)
     x, w, t, _ = make_problem(N, D, V, dtype=dtype, device="cuda")
     x.requires_grad_()
     w.requires_grad_()
     # float16 never stores logits (they could overflow): tl.dot tiles instead of cuBLAS blocks
     half = dtype == torch.float16
     expected = {
-        "loss only": ("row_stats_kernel",) if half else ("softmax_grad_kernel",),
+        "loss only": ("row_stats_kernel",) if half else ("logit_partials_kernel", "combine_partials_kernel"),
         "scalar loss, backward": ("row_stats_kernel", "logit_grad_kernel") if half
-        else ("softmax_grad_kernel", "scale_kernel"),
+        else ("logit_partials_kernel", "combine_partials_kernel", "softmax_grad_kernel", "scale_kernel"),
         "per-row loss, backward": ("row_stats_kernel", "logit_grad_kernel") if half
-        else ("softmax_grad_kernel", "logit_grad_kernel"),
+        else ("logit_partials_kernel", "combine_partials_kernel", "logit_grad_kernel"),
     }
     runs = {
         "loss only": lambda: fused_ce.linear_cross_entropy(x.detach(), w.detach(), t),
@@ -65,15 +65,17 @@ def test_scalar_loss_step_runs_no_aten_kernels(dtype):
     x.grad = w.grad = None
     names = kernel_names(lambda: fused_ce.linear_cross_entropy(x, w, t).backward(one))
     assert not [n for n in names if "at::native" in n], sorted(names)
-    for kernel in ("prepare_rows_kernel", "softmax_grad_kernel", "assemble_loss_kernel", "scale_kernel"):
+    for kernel in ("prepare_rows_kernel", "logit_partials_kernel", "combine_partials_kernel", "softmax_grad_kernel",
+                   "assemble_loss_kernel", "scale_kernel"):
         assert any(kernel in n for n in names), (kernel, sorted(names))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_scale_grad_skips_unit_scale(dtype):
+@pytest.mark.parametrize("shape", [(3001, 129), (3000, 128)])  # the general and the aligned variant
+def test_scale_grad_skips_unit_scale(dtype, shape):
     # loss.backward() scales the forward's gradients by 1: the kernel must leave
     # them bitwise as they are; any other scale multiplies in float32.
-    g = torch.randn(3001, 129, device="cuda").to(dtype)
+    g = torch.randn(*shape, device="cuda").to(dtype)
     before = g.clone()
     names = kernel_names(lambda: torch.ops.fused_ce._scale_grad_(g, torch.ones((), device="cuda")))
     assert any("scale_kernel" in n for n in names), sorted(names)
@@ -85,6 +87,34 @@ def test_scale_grad_skips_unit_scale(dtype):
     odd_before = odd.clone()
     torch.ops.fused_ce._scale_grad_(odd, s)
     assert torch.equal(odd, (odd_before.float() * s).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("features", [{}, {"label_smoothing": 0.2, "z_loss": 1e-3},
+                                      {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 5.0, "logit_scale": 0.9}],
+                         ids=["plain", "smoothing", "softcap"])
+def test_lean_workspace_takes_vocabulary_tiles(dtype, features):
+    # A workspace that holds only a few hundred whole rows: many row blocks would re-read dW once each, so the
+    # forward with gradient takes 2-D tiles (2048 rows x a vocabulary slice, loss.cpp) after a stats pass.
+    N, D, V, budget = 4096, 256, 5000, 4 << 20
+    x, w, t, b = make_problem(N, D, V, dtype=dtype, device="cuda", bias=True)
+    cw = torch.rand(V, device="cuda") + 0.5
+    kw = dict(features, weight=cw, reduction="mean")
+    xl, wl, bl = (v.detach().clone().requires_grad_() for v in (x, w, b))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl, workspace_bytes=budget, **kw)
+        loss.backward()
+        torch.cuda.synchronize()
+    cols = budget // (2048 * x.element_size()) // 128 * 128
+    launches = sum(1 for e in prof.events() if "softmax_grad_kernel" in e.name)
+    assert launches == -(-N // 2048) * -(-V // cols), launches  # one per tile, not one per row block
+    xr, wr, br = (v.double().requires_grad_() for v in (x, w, b))
+    ref = reference_loss(xr, wr, t, linear_bias=br, **kw)
+    ref.backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(loss, ref) < tol / 10
+    for got, expected in ((xl.grad, xr.grad), (wl.grad, wr.grad), (bl.grad, br.grad)):
+        assert rel_err(got, expected) < tol, rel_err(got, expected)
 
 
 FALLBACK_CHECK = r"""
@@ -99,8 +129,8 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) a
     none = fused_ce.linear_cross_entropy(x, w, t, reduction="none")
     torch.cuda.synchronize()
 names = " ".join(e.name for e in prof.events())
-assert not any(k in names for k in ("row_stats", "softmax_grad", "logit_grad", "scale_kernel", "prepare_rows",
-                                    "assemble_loss")), names
+assert not any(k in names for k in ("row_stats", "logit_partials", "combine_partials", "softmax_grad", "logit_grad",
+                                    "scale_kernel", "prepare_rows", "assemble_loss")), names
 ref = [v.double().requires_grad_() for v in (x, w, b)]
 r = reference_loss(ref[0], ref[1], t, linear_bias=ref[2], label_smoothing=0.1)
 r.backward()

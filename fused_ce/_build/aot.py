@@ -61,13 +61,25 @@ _SIGNATURES = {
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"),
     ],
-    "softmax_grad": [
-        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"),
-        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
-        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
-        ("V", "i64"), ("stride_ln", "i64"),
+    "logit_partials": [
+        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"),
+        ("R", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"), ("write_grad", "i32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+    ],
+    "combine_partials": [
+        ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"), ("logits_ptr", "*T"), ("tgt_ptr", "*i64"),
+        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
+        ("R", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_softcap", "i32"), ("has_smoothing", "i32"),
+    ],
+    "softmax_grad": [
+        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("lse_ptr", "*fp32"),
+        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
+        ("R", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"), ("col_offset", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
     ],
     "scale": [("g_ptr", "*T"), ("scale_ptr", "*fp32"), ("numel", "i64")],
     "prepare_rows": [
@@ -88,6 +100,9 @@ _SIGNATURES = {
 _ALIGNED_DIVISIBLE_16 = {"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv", "g_ptr", "stride_gn", "logits_ptr",
                          "stride_ln"}
 _ALIGNED_UNIT = {"stride_xd", "stride_wd"}
+# Passes over stored logits and elementwise passes: the bound of their mask a multiple of 16 too, else the
+# mask keeps the accesses scalar.
+_ALIGNED_DIVISIBLE_16_BY_KERNEL = {"logit_partials": {"V"}, "softmax_grad": {"V"}, "scale": {"numel"}}
 
 
 def kernel_function(name):
@@ -114,9 +129,11 @@ def variant_spec(kernel, dtype, layout, arch):
     else:
         cfg = configs.row_config(arch, dtype, kernel)
         constexprs = {"BLOCK": cfg.block}
-        if kernel == "softmax_grad":
+        if "BLOCK_R" in fn.arg_names:
+            constexprs["BLOCK_R"] = cfg.rows
+        if "FAST_TANH" in fn.arg_names:
             constexprs["FAST_TANH"] = configs.fast_tanh(dtype)
-        blocks = dict(block_n=1, block_v=cfg.block, block_d=0, group_n=0)
+        blocks = dict(block_n=cfg.rows, block_v=cfg.block, block_d=0, group_n=0)
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
     for i, (name, ty) in enumerate(sig):
         ty = ty.replace("T", dtype)
@@ -126,7 +143,7 @@ def variant_spec(kernel, dtype, layout, arch):
             continue
         signature[name] = ty
         params.append((name, ty))
-        if aligned and name in _ALIGNED_DIVISIBLE_16:
+        if aligned and (name in _ALIGNED_DIVISIBLE_16 or name in _ALIGNED_DIVISIBLE_16_BY_KERNEL.get(kernel, ())):
             attrs[(i,)] = [["tt.divisibility", 16]]
     for name in constexpr_names:
         signature[name] = "constexpr"
@@ -142,15 +159,21 @@ def _count_ptx_params(ptx, function):
     return len(re.findall(r"\.param\s", match.group(1)))
 
 
-def compile_variant(kernel, dtype, layout, arch, out_dir):
+def compile_kernel(kernel, dtype, layout, arch):
+    """triton's compiled kernel of one variant (asm: ptx, cubin; metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    fn, signature, constexprs, attrs, params, options, blocks = variant_spec(kernel, dtype, layout, arch)
+    fn, signature, constexprs, attrs, _, options, _ = variant_spec(kernel, dtype, layout, arch)
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=target, options=backend.parse_options(options).__dict__)
+    return triton.compile(src, target=target, options=backend.parse_options(options).__dict__)
+
+
+def compile_variant(kernel, dtype, layout, arch, out_dir):
+    _, _, _, _, params, options, blocks = variant_spec(kernel, dtype, layout, arch)
+    compiled = compile_kernel(kernel, dtype, layout, arch)
     meta = compiled.metadata
     for field in ("global_scratch_size", "profile_scratch_size"):
         if getattr(meta, field, 0):

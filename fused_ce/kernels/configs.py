@@ -7,8 +7,8 @@ benchmarks/NOTES.md for how each entry was chosen.
 from dataclasses import dataclass
 
 GEMM_KERNELS = ("row_stats", "logit_grad")  # logits tiles from tl.dot; TileConfig
-# 1-D grids over stored rows or elements, or one program over all rows; RowConfig
-ROW_KERNELS = ("softmax_grad", "scale", "prepare_rows", "assemble_loss")
+# 1-D grids over tiles of stored logits, rows or elements, or one program over all rows; RowConfig
+ROW_KERNELS = ("logit_partials", "combine_partials", "softmax_grad", "scale", "prepare_rows", "assemble_loss")
 KERNELS = GEMM_KERNELS + ROW_KERNELS
 DTYPES = ("bf16", "fp16", "fp32")
 # "aligned": unit inner strides, 16-byte aligned base pointers, row strides and D
@@ -17,13 +17,17 @@ LAYOUTS = ("aligned", "general")
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
 # Kernels whose arguments do not depend on the input dtype or layout: one variant per arch.
 DTYPE_FREE = ("prepare_rows", "assemble_loss")
+# Kernels that gain nothing from aligned accesses (a gathered load per row): one variant per dtype.
+LAYOUT_FREE = ("combine_partials",)
 
 
 def variant_keys(kernel: str):
     """The (dtype, layout) variants the build compiles for `kernel`."""
     if kernel in DTYPE_FREE:
         return [("fp32", "general")]
-    return [(d, l) for d in DTYPES for l in LAYOUTS]
+    if kernel in LAYOUT_FREE:
+        return [(d, "general") for d in DTYPES]
+    return [(dtype, layout) for dtype in DTYPES for layout in LAYOUTS]
 
 
 @dataclass(frozen=True)
@@ -57,24 +61,33 @@ _FP32 = {
 }
 @dataclass(frozen=True)
 class RowConfig:
-    block: int
+    block: int  # columns (or elements, or segments for combine_partials) per program and step
     num_warps: int
     num_stages: int = 1
+    rows: int = 1  # rows per program (tile kernels)
 
+
+TILE_KERNELS = ("logit_partials", "softmax_grad")  # BLOCK_R x BLOCK tiles of stored logits
 
 # Small tiles for the CPU interpreter (tests): fast there and exercise tails.
 INTERPRETER = TileConfig(16, 32, 16, 2, 4, 1)
 INTERPRETER_ROW = RowConfig(64, 4)
+INTERPRETER_TILE = RowConfig(32, 4, rows=4)
+INTERPRETER_COMBINE = RowConfig(2, 4, rows=4)  # 2 segments per step: several steps in tests
 
 
-def row_config(arch: int, dtype: str, kernel: str = "softmax_grad") -> RowConfig:
+def row_config(arch: int, dtype: str, kernel: str) -> RowConfig:
     if kernel == "scale":  # elementwise: 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if kernel in ("prepare_rows", "assemble_loss"):  # one program over all rows: per-row bookkeeping
         return RowConfig(1024, 4)
-    # softmax_grad is memory-bound; chosen by the H200 sweeps of benchmarks/tune.py (benchmarks/NOTES.md, steps
-    # 4 and 8). float32 rows take half the block: the same bytes per thread.
-    return RowConfig(2048 if dtype != "fp32" else 1024, 8)
+    if kernel == "combine_partials":  # a few KB of partials per row: many small programs
+        return RowConfig(64, 4, rows=16)
+    if kernel in TILE_KERNELS:
+        # Memory-bound passes over the stored logits; chosen by the H200 sweep of benchmarks/tune.py
+        # (benchmarks/NOTES.md, step 13). float32 tiles take half the columns: the same bytes per thread.
+        return RowConfig(2048 if dtype != "fp32" else 1024, 4, rows=4)
+    raise ValueError(f"unknown row kernel {kernel!r}")
 
 
 def tile_config(kernel: str, arch: int, dtype: str) -> TileConfig:

@@ -8,7 +8,9 @@ import triton
 
 from . import configs
 from .assemble_loss import assemble_loss_kernel
+from .combine_partials import combine_partials_kernel
 from .logit_grad import logit_grad_kernel
+from .logit_partials import logit_partials_kernel
 from .prepare_rows import prepare_rows_kernel
 from .row_stats import row_stats_kernel
 from .scale import scale_kernel
@@ -77,25 +79,60 @@ def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end,
 
 
 def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=None, logit_scale=1.0,
-                 softcap=None, smoothing=False, write_grad=True, config=None):
+                 softcap=None, smoothing=False, write_grad=True, config=None, combine_config=None):
     """Turns stored raw logits [N, V] into their gradient in place; returns (lse, target_logit, weighted_z_sum).
 
+    The three stages of cuda_stages.cpp: logit_partials, combine_partials, then (``write_grad``) softmax_grad.
     With ``smoothing`` False, gamma is taken as zero and weighted_z_sum is not computed (None).
+    ``config`` tiles both passes over the logits.
     """
     N, V = logits.shape
     if logits.is_cuda:
         major, minor = torch.cuda.get_device_capability(logits.device)
-        cfg = config or configs.row_config(major * 10 + minor, _DTYPES[logits.dtype])
+        arch, dtype = major * 10 + minor, _DTYPES[logits.dtype]
+        cfg = grad_cfg = config or configs.row_config(arch, dtype, "logit_partials")
+        combine_cfg = combine_config or configs.row_config(arch, dtype, "combine_partials")
+        fast_tanh = configs.fast_tanh(dtype)
+    else:  # the interpreter runs no inline PTX
+        cfg = grad_cfg = config or configs.INTERPRETER_TILE
+        combine_cfg, fast_tanh = combine_config or configs.INTERPRETER_COMBINE, False
+    common = dict(logit_scale=float(logit_scale), softcap=float(softcap or 1.0), has_softcap=int(softcap is not None),
+                  has_smoothing=int(smoothing), FAST_TANH=fast_tanh)
+    cw = target if class_weight is None else class_weight  # never read without class weights
+    segments = triton.cdiv(V, cfg.block)
+    partials = torch.empty(3, N, segments, dtype=torch.float32, device=logits.device)
+    logit_partials_kernel[(triton.cdiv(N, cfg.rows) * segments,)](
+        logits, cw, partials[0], partials[1], partials[2], N, V, logits.stride(0), segments,
+        has_class_weight=int(class_weight is not None), BLOCK_R=cfg.rows, BLOCK=cfg.block,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+    stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
+    combine_partials_kernel[(triton.cdiv(N, combine_cfg.rows),)](
+        partials[0], partials[1], partials[2], logits, target, stats[0], stats[1], stats[2], N, logits.stride(0),
+        segments, BLOCK_R=combine_cfg.rows, BLOCK=combine_cfg.block, num_warps=combine_cfg.num_warps, **common)
+    if write_grad:
+        grad_in_place(logits, target, stats[0], alpha, alpha_lse, beta, gamma, class_weight=class_weight,
+                      logit_scale=logit_scale, softcap=softcap, smoothing=smoothing, config=grad_cfg)
+    return stats[0], stats[1], stats[2] if smoothing else None
+
+
+def grad_in_place(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offset=0, class_weight=None,
+                  logit_scale=1.0, softcap=None, smoothing=False, config=None):
+    """softmax_grad_kernel alone: stored raw logits of columns [col_offset, col_offset + V) become their
+    gradient in place, given the rows' lse; ``class_weight`` is the slice's own ([V])."""
+    N, V = logits.shape
+    if logits.is_cuda:
+        major, minor = torch.cuda.get_device_capability(logits.device)
+        cfg = config or configs.row_config(major * 10 + minor, _DTYPES[logits.dtype], "softmax_grad")
         fast_tanh = configs.fast_tanh(_DTYPES[logits.dtype])
     else:
-        cfg, fast_tanh = config or configs.INTERPRETER_ROW, False  # the interpreter runs no inline PTX
-    stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
-    softmax_grad_kernel[(N,)](
-        logits, target if class_weight is None else class_weight, target, alpha, alpha_lse, beta, gamma,
-        stats[0], stats[1], stats[2], V, logits.stride(0), float(logit_scale), float(softcap or 1.0),
-        int(class_weight is not None), int(softcap is not None), int(smoothing), int(write_grad),
-        BLOCK=cfg.block, FAST_TANH=fast_tanh, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return stats[0], stats[1], stats[2] if smoothing else None
+        cfg, fast_tanh = config or configs.INTERPRETER_TILE, False
+    segments = triton.cdiv(V, cfg.block)
+    softmax_grad_kernel[(triton.cdiv(N, cfg.rows) * segments,)](
+        logits, target if class_weight is None else class_weight, target, lse, alpha, alpha_lse, beta, gamma, N, V,
+        logits.stride(0), segments, col_offset, float(logit_scale), float(softcap or 1.0),
+        int(class_weight is not None), int(softcap is not None), int(smoothing), BLOCK_R=cfg.rows, BLOCK=cfg.block,
+        FAST_TANH=fast_tanh, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return logits
 
 
 def scale_(g, scale, *, config=None, programs=None):

@@ -47,6 +47,15 @@ def softcap_tanh(u, FAST: tl.constexpr):
 
 
 @triton.jit
+def load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH: tl.constexpr):
+    """Stored raw logits (masked entries 0) -> z = softcap(logit_scale * logit), in float32."""
+    z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * logit_scale
+    if has_softcap:
+        z = softcap * softcap_tanh(z * (1.0 / softcap), FAST_TANH)
+    return z
+
+
+@triton.jit
 def transform_logits(acc, b_ptr, cols, logit_scale, softcap, has_bias, has_softcap):
     z = acc
     if has_bias:

@@ -1,0 +1,43 @@
+"""Forward stage 1 of 3 over stored logits: per-tile partial row statistics.
+
+A GEMM has written raw logits ``x @ w.T + b`` for a block of rows. Each program
+reads one BLOCK_R x BLOCK tile once, transforms it (logit_scale, softcap) and
+writes, per row of the tile, the tile's max, its sum of ``exp(z - max)`` and,
+for label smoothing, its (class-weighted) sum of z: partials[row, segment].
+Tiles rather than whole rows per program: no serial loop along the row, so
+every program's loads are in flight at once and the pass runs at streaming
+bandwidth. combine_partials.py reduces the segments.
+"""
+import triton
+import triton.language as tl
+
+from .tile import load_logits
+
+
+@triton.jit
+def logit_partials_kernel(
+    logits_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr,
+    R, V, stride_ln, segments,
+    logit_scale, softcap,
+    has_class_weight, has_softcap, has_smoothing,
+    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seg = pid % segments
+    rows = (pid // segments).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = seg.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row_mask = rows < R
+    mask = row_mask[:, None] & (cols < V)[None, :]
+    ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
+    z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
+    m = tl.max(tl.where(mask, z, float("-inf")), axis=1)
+    m = tl.where(row_mask, m, 0.0)  # rows past the block: keep them finite, they are not stored
+    s = tl.sum(tl.where(mask, tl.exp(z - m[:, None]), 0.0), axis=1)
+    out = rows * segments + seg
+    tl.store(pm_ptr + out, m, mask=row_mask)
+    tl.store(ps_ptr + out, s, mask=row_mask)
+    if has_smoothing:
+        zc = tl.where(mask, z, 0.0)
+        if has_class_weight:
+            zc = zc * tl.load(cw_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        tl.store(pw_ptr + out, tl.sum(zc, axis=1), mask=row_mask)
