@@ -90,11 +90,11 @@ def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=
     if logits.is_cuda:
         major, minor = torch.cuda.get_device_capability(logits.device)
         arch, dtype = major * 10 + minor, _DTYPES[logits.dtype]
-        cfg = grad_cfg = config or configs.row_config(arch, dtype, "logit_partials")
+        cfg = config or configs.row_config(arch, dtype, "logit_partials")
         combine_cfg = combine_config or configs.row_config(arch, dtype, "combine_partials")
         fast_tanh = configs.fast_tanh(dtype)
     else:  # the interpreter runs no inline PTX
-        cfg = grad_cfg = config or configs.INTERPRETER_TILE
+        cfg = config or configs.INTERPRETER_TILE
         combine_cfg, fast_tanh = combine_config or configs.INTERPRETER_COMBINE, False
     common = dict(logit_scale=float(logit_scale), softcap=float(softcap or 1.0), has_softcap=int(softcap is not None),
                   has_smoothing=int(smoothing), FAST_TANH=fast_tanh)
@@ -111,7 +111,7 @@ def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=
         segments, BLOCK_R=combine_cfg.rows, BLOCK=combine_cfg.block, num_warps=combine_cfg.num_warps, **common)
     if write_grad:
         grad_in_place(logits, target, stats[0], alpha, alpha_lse, beta, gamma, class_weight=class_weight,
-                      logit_scale=logit_scale, softcap=softcap, smoothing=smoothing, config=grad_cfg)
+                      logit_scale=logit_scale, softcap=softcap, smoothing=smoothing, config=config)
     return stats[0], stats[1], stats[2] if smoothing else None
 
 
