@@ -3,50 +3,16 @@
 #include <algorithm>
 #include <cmath>
 
-#include "stages.h"
+#include "aten_stages.h"
 
 namespace fused_ce {
 
-Problem Problem::rows(int64_t begin, int64_t end) const {
-  Problem p = *this;
-  p.x = x.narrow(0, begin, end - begin);
-  p.target = target.narrow(0, begin, end - begin);
-  if (target_weight.defined()) p.target_weight = target_weight.narrow(0, begin, end - begin);
-  p.N = end - begin;
-  return p;
-}
-
-Problem Problem::cols(int64_t begin, int64_t end) const {
-  const auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
-  Problem p = *this;
-  p.w = slice(w);
-  p.bias = slice(bias);
-  p.class_weight = slice(class_weight);
-  p.V = end - begin;
-  p.col_offset = col_offset + begin;
-  return p;
-}
-
-GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
-  const auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
-  return {slice(lse), slice(alpha), slice(alpha_lse), slice(beta), slice(gamma)};
-}
-
-RowStats RowStats::rows(int64_t begin, int64_t end) const {
-  const auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
-  return {slice(lse), slice(target_logit), slice(weighted_z_sum)};
-}
-
 namespace {
 
-at::ScalarType compute_dtype(const Problem& p) {
-  return p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // Transformed logits z for all rows of p and columns [v_begin, v_end), in the
-// compute dtype.
+// loss dtype.
 at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
-  const auto dtype = compute_dtype(p);
+  const auto dtype = loss_dtype(p);
   at::Tensor w = p.w.narrow(0, v_begin, v_end - v_begin).to(dtype);
   at::Tensor z = p.x.to(dtype).matmul(w.t());
   if (p.bias.defined()) z.add_(p.bias.narrow(0, v_begin, v_end - v_begin).to(dtype));
@@ -57,19 +23,19 @@ at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
 
 // The row stats that are linear in the logits z (over the whole vocabulary):
 // the target's logit and the class-weighted sum; lse left undefined.
-RowStats linear_stats_of(const Problem& p, const at::Tensor& z, bool need_weighted_z_sum) {
+RowStats linear_stats_of(const Problem& p, const at::Tensor& z, bool smoothing) {
   const at::Tensor valid = p.target.ge(0);
   RowStats s;
   s.target_logit = z.gather(1, at::where(valid, p.target, 0).unsqueeze(1)).squeeze(1) * valid;
-  if (need_weighted_z_sum) {
+  if (smoothing) {
     s.weighted_z_sum = p.class_weight.defined() ? z.matmul(p.class_weight.to(z.scalar_type())) : z.sum(1);
   }
   return s;
 }
 
 // Row stats of the rows of p from their logits over the whole vocabulary.
-RowStats stats_of(const Problem& p, const at::Tensor& z, bool need_weighted_z_sum) {
-  RowStats s = linear_stats_of(p, z, need_weighted_z_sum);
+RowStats stats_of(const Problem& p, const at::Tensor& z, bool smoothing) {
+  RowStats s = linear_stats_of(p, z, smoothing);
   s.lse = at::logsumexp(z, 1);
   return s;
 }
@@ -112,17 +78,17 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
 
 }  // namespace
 
-RowStats aten_row_stats(const Problem& p, bool need_weighted_z_sum, int64_t max_rows) {
-  const auto opts = p.x.options().dtype(compute_dtype(p));
+RowStats aten_row_stats(const Problem& p, bool smoothing, int64_t block_rows) {
+  const auto opts = p.x.options().dtype(loss_dtype(p));
   RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts),
-             need_weighted_z_sum ? at::empty({p.N}, opts) : at::Tensor()};
-  for (int64_t r0 = 0; r0 < p.N; r0 += max_rows) {
-    const int64_t r1 = std::min(p.N, r0 + max_rows);
+             smoothing ? at::empty({p.N}, opts) : at::Tensor()};
+  for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
+    const int64_t r1 = std::min(p.N, r0 + block_rows);
     const Problem chunk = p.rows(r0, r1);
-    const RowStats part = stats_of(chunk, logits(chunk, 0, p.V), need_weighted_z_sum);
+    const RowStats part = stats_of(chunk, logits(chunk, 0, p.V), smoothing);
     s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
     s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
-    if (need_weighted_z_sum) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
+    if (smoothing) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
   }
   return s;
 }
@@ -132,9 +98,9 @@ at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t 
 }
 
 std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
-                                                          bool need_weighted_z_sum) {
+                                                          bool smoothing) {
   at::Tensor z = logits(p, 0, p.V);
-  RowStats s = linear_stats_of(p, z, need_weighted_z_sum);
+  RowStats s = linear_stats_of(p, z, smoothing);
   const at::Tensor dcap = softcap_slope(p, z);
   // z becomes exp(z - max) in place; its row sums give the lse, and
   // p * alpha = exp(z - max) * (alpha / sum): no logits-sized temporary and

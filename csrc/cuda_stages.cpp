@@ -5,8 +5,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cuda_stages.h"
+
 #include "cuda_driver.h"
-#include "stages.h"
+#include "format.h"
 
 namespace fused_ce {
 namespace {
@@ -98,7 +100,7 @@ bool cuda_kernels_available(const Problem& p) {
   return select_fixed("prepare_rows", p.x.device()) != nullptr && select_fixed("assemble_loss", p.x.device()) != nullptr;
 }
 
-RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum) {
+RowStats cuda_row_stats(const Problem& p, bool smoothing) {
   const KernelVariant& v = *select("row_stats", p, nullptr);
   // Split the vocabulary so that there are several waves of programs even for
   // few rows; the splits' partials are combined below.
@@ -112,7 +114,7 @@ RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum) {
   at::Tensor partial = at::empty({4, splits, p.N}, p.x.options().dtype(at::kFloat));
   KernelArgs args = common_args(p);
   args.ptr("m_ptr", partial[0]).ptr("s_ptr", partial[1]).ptr("zt_ptr", partial[2]).ptr("wz_ptr", partial[3])
-      .i64("N", p.N).i64("V", p.V).i64("cols_per_split", cols_per_split).i32("need_wz", need_weighted_z_sum);
+      .i64("N", p.N).i64("V", p.V).i64("cols_per_split", cols_per_split).i32("has_smoothing", smoothing);
   launch(v, p.x.device(), row_tiles * splits, args);
 
   const at::Tensor m = partial[0];
@@ -120,7 +122,7 @@ RowStats cuda_row_stats(const Problem& p, bool need_weighted_z_sum) {
   RowStats s;
   s.lse = m_max + (partial[1] * (m - m_max).exp()).sum(0).log();
   s.target_logit = partial[2].sum(0);
-  if (need_weighted_z_sum) s.weighted_z_sum = partial[3].sum(0);
+  if (smoothing) s.weighted_z_sum = partial[3].sum(0);
   return s;
 }
 
@@ -155,12 +157,12 @@ int64_t cuda_logits_row_bytes(const Problem& p) {
   return p.V * int64_t{c10::elementSize(p.x.scalar_type())} + 3 * int64_t{sizeof(float)} * segments;
 }
 
-void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out, bool need_weighted_z_sum) {
+void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out, bool smoothing) {
   TORCH_CHECK(p.col_offset == 0, "fused_ce: row stats need whole vocabulary rows");
   check_stored_logits(p, logits);
   check_row_output(p, out.lse);
   check_row_output(p, out.target_logit);
-  if (need_weighted_z_sum) check_row_output(p, out.weighted_z_sum);
+  if (smoothing) check_row_output(p, out.weighted_z_sum);
   const KernelVariant& tiles = *select("logit_partials", p, &logits);
   const int64_t segments = cdiv(p.V, tiles.block_v);
   const at::Tensor partials = at::empty({3, p.N, segments}, p.x.options().dtype(at::kFloat));
@@ -168,23 +170,23 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
     return a.ptr("logits_ptr", logits).i64("stride_ln", logits.stride(0)).i64("segments", segments)
         .f32("logit_scale", static_cast<float>(p.logit_scale))
         .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
-        .i32("has_softcap", p.softcap.has_value()).i32("has_smoothing", need_weighted_z_sum);
+        .i32("has_softcap", p.softcap.has_value()).i32("has_smoothing", smoothing);
   };
   KernelArgs partial_args;
   transform(partial_args).ptr("cw_ptr", p.class_weight).ptr("pm_ptr", partials[0]).ptr("ps_ptr", partials[1])
-      .ptr("pw_ptr", partials[2]).i64("R", p.N).i64("V", p.V).i32("has_class_weight", p.class_weight.defined());
+      .ptr("pw_ptr", partials[2]).i64("N", p.N).i64("V", p.V).i32("has_class_weight", p.class_weight.defined());
   launch(tiles, p.x.device(), cdiv(p.N, tiles.block_n) * segments, partial_args);
 
   const KernelVariant& combine = *select("combine_partials", p, &logits);
   KernelArgs combine_args;
   transform(combine_args).ptr("pm_ptr", partials[0]).ptr("ps_ptr", partials[1]).ptr("pw_ptr", partials[2])
       .ptr("tgt_ptr", p.target).ptr("lse_ptr", out.lse).ptr("zt_ptr", out.target_logit)
-      .ptr("wz_ptr", out.weighted_z_sum).i64("R", p.N);
+      .ptr("wz_ptr", out.weighted_z_sum).i64("N", p.N);
   launch(combine, p.x.device(), cdiv(p.N, combine.block_n), combine_args);
 }
 
 void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
-                       bool gamma_terms) {
+                       bool smoothing) {
   check_stored_logits(p, logits);
   check_row_output(p, lse);
   const KernelVariant& v = *select("softmax_grad", p, &logits);
@@ -192,16 +194,15 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
   KernelArgs args;
   args.ptr("logits_ptr", logits).ptr("cw_ptr", p.class_weight).ptr("tgt_ptr", p.target).ptr("lse_ptr", lse)
       .ptr("alpha_ptr", c.alpha).ptr("alpha_lse_ptr", c.alpha_lse).ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma)
-      .i64("R", p.N).i64("V", p.V).i64("stride_ln", logits.stride(0)).i64("segments", segments)
+      .i64("N", p.N).i64("V", p.V).i64("stride_ln", logits.stride(0)).i64("segments", segments)
       .i64("col_offset", p.col_offset).f32("logit_scale", static_cast<float>(p.logit_scale))
       .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
       .i32("has_class_weight", p.class_weight.defined()).i32("has_softcap", p.softcap.has_value())
-      .i32("has_smoothing", gamma_terms);
+      .i32("has_smoothing", smoothing);
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * segments, args);
 }
 
-at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
-                             double z_loss, bool mean, GradCoefficients* unit) {
+at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit) {
   TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == p.N,
               "fused_ce: bad target buffer");
   const KernelVariant& v = *select_fixed("prepare_rows", p.x.device());
@@ -216,31 +217,35 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, int64_t ignor
   args.ptr("tgt_ptr", target).ptr("cw_ptr", p.class_weight).ptr("tgt_out_ptr", p.target)
       .ptr("wt_ptr", p.target_weight).ptr("totals_ptr", p.totals).ptr("bad_ptr", bad)
       .ptr("alpha_ptr", row(0)).ptr("alpha_lse_ptr", row(1)).ptr("beta_ptr", row(2)).ptr("gamma_ptr", row(3))
-      .i64("N", p.N).i64("V", p.V).i64("ignore_index", ignore_index)
-      .f32("label_smoothing", static_cast<float>(label_smoothing)).f32("z_loss", static_cast<float>(z_loss))
-      .i32("has_class_weight", p.class_weight.defined()).i32("mean", mean).i32("write_coefficients", unit != nullptr);
+      .i64("N", p.N).i64("V", p.V).i64("ignore_index", o.ignore_index)
+      .f32("label_smoothing", static_cast<float>(o.label_smoothing)).f32("z_loss", static_cast<float>(o.z_loss))
+      .i32("has_class_weight", p.class_weight.defined()).i32("mean", o.reduction == Reduction::Mean)
+      .i32("write_coefficients", unit != nullptr);
   launch(v, p.x.device(), 1, args);
   if (unit != nullptr) *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), row(3)};
   return bad;
 }
 
-at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, double label_smoothing, double z_loss,
-                              int reduction) {
+at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOptions& o) {
   TORCH_CHECK(p.totals.defined() && p.target_weight.defined(), "fused_ce: rows not prepared on the device");
   const KernelVariant& v = *select_fixed("assemble_loss", p.x.device());
   const auto f32 = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; };
   const at::Tensor lse = f32(s.lse), zt = f32(s.target_logit), wz = f32(s.weighted_z_sum);
-  at::Tensor loss = at::empty({reduction == 0 ? p.N : 1}, p.x.options().dtype(at::kFloat));
+  TORCH_CHECK(!o.smoothing() || wz.defined(), "fused_ce: label smoothing needs the weighted logit sums");
+  at::Tensor loss = at::empty({o.scalar() ? 1 : p.N}, p.x.options().dtype(at::kFloat));
   KernelArgs args;
   args.ptr("lse_ptr", lse).ptr("zt_ptr", zt).ptr("wz_ptr", wz).ptr("tgt_ptr", p.target)
       .ptr("wt_ptr", p.target_weight).ptr("totals_ptr", p.totals).ptr("loss_ptr", loss)
       .i64("N", p.N).i64("V", p.V)
-      .f32("label_smoothing", static_cast<float>(label_smoothing)).f32("z_loss", static_cast<float>(z_loss))
-      .i32("has_smoothing", wz.defined()).i32("reduction", reduction);
+      .f32("label_smoothing", static_cast<float>(o.label_smoothing)).f32("z_loss", static_cast<float>(o.z_loss))
+      .i32("has_smoothing", o.smoothing()).i32("reduction", static_cast<int>(o.reduction));
   launch(v, p.x.device(), 1, args);
   return loss;
 }
 
+namespace {
+
+// False where the kernel does not apply: the caller multiplies instead.
 bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
   if (cuda_kernels_disabled() || !grad.is_contiguous() || scale.scalar_type() != at::kFloat ||
       scale.device() != grad.device()) {
@@ -253,6 +258,18 @@ bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
   const int64_t programs = 4 * int64_t{device_sm_count(grad.device().index())};
   launch(*v, grad.device(), std::clamp<int64_t>(cdiv(grad.numel(), v->block_v), 1, programs), args);
   return true;
+}
+
+}  // namespace
+
+void scale_grad_(const at::Tensor& grad, const at::Tensor& scale) {
+  TORCH_CHECK(scale.numel() == 1, "fused_ce::_scale_grad_: scale must hold one value, got shape ", shape(scale.sizes()));
+  TORCH_CHECK(scale.device() == grad.device() || (scale.is_cpu() && scale.dim() == 0),
+              "fused_ce::_scale_grad_: scale is on ", scale.device().str(), " but grad is on ", grad.device().str());
+  if (grad.numel() == 0) return;
+  const at::Tensor s = scale.reshape({});
+  if (grad.is_cuda() && cuda_scale_(grad, s)) return;
+  grad.mul_(s);
 }
 
 }  // namespace fused_ce

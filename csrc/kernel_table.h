@@ -1,12 +1,13 @@
-// The AOT-compiled kernel variants embedded in the library. The table itself is
-// generated at build time by fused_ce/_build/aot.py (kernel_table.cpp).
+// What the build embeds in the library: the AOT-compiled kernel variants and the
+// plan's per-architecture constants. The tables themselves are generated at
+// build time by fused_ce/_build/aot.py (kernel_table.cpp).
 #pragma once
 #include <cstddef>
 
 namespace fused_ce {
 
 struct KernelVariant {
-  const char* kernel;  // a kernel of fused_ce/kernels/configs.py: "row_stats", "softmax_grad", ...
+  const char* kernel;  // a kernel of fused_ce/kernels/ (its SPEC): "row_stats", "softmax_grad", ...
   const char* dtype;   // "bf16" | "fp16" | "fp32"
   const char* layout;  // "aligned" | "general"
   int arch;            // compute capability, e.g. 90
@@ -24,5 +25,20 @@ struct KernelVariant {
 
 extern const KernelVariant kKernelVariants[];
 extern const int kNumKernelVariants;
+
+// The plan's per-architecture constants (fused_ce/kernels/configs.py,
+// ARCH_CONSTANTS; plan.cpp): measured rates and thresholds. arch 0 is the
+// entry for architectures without one of their own.
+struct ArchConstants {
+  int arch;
+  double memory_bytes_per_s;  // sustained device-memory bandwidth of the passes over stored logits
+  double gemm_flops_per_s;    // sustained GEMM rate at our shapes
+  int min_stored_rows;        // fewer rows per block and the forward's cuBLAS blocks lose to tl.dot tiles
+  int gemm_tile_rows;         // cuBLAS's row tile: blocks in whole tiles waste none
+  int vocab_tile_rows;        // rows of a VocabTiles tile: enough for the dW GEMM to stay compute-bound
+};
+
+extern const ArchConstants kArchConstants[];
+extern const int kNumArchConstants;
 
 }  // namespace fused_ce

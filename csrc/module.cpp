@@ -1,5 +1,5 @@
 // `import fused_ce._C` loads this library; its static initialisers register the
-// ops (loss.cpp). The module itself is empty, as in pytorch/extension-cpp.
+// ops (ops.cpp). The module itself is empty, as in pytorch/extension-cpp.
 #include <Python.h>
 
 extern "C" {

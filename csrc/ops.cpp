@@ -1,5 +1,5 @@
-// The op library fused_ce: schemas, the CPU/CUDA kernels (loss.cpp), the
-// autograd formula, autocast, and what the build embedded.
+// The op library fused_ce: schemas and registration, the autograd formula,
+// autocast, and what the build embedded. The CPU/CUDA kernels are in loss.cpp.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "format.h"
+#include "cuda_stages.h"
 #include "kernel_table.h"
 #include "loss.h"
 
@@ -33,37 +34,27 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& linear_weight,
                                const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
-                               const std::optional<at::Tensor>& weight, c10::string_view reduction,
-                               int64_t ignore_index, double label_smoothing, double z_loss,
-                               std::optional<double> softcap, double logit_scale,
-                               std::optional<int64_t> workspace_bytes) {
+                               const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
     ctx->set_materialize_grads(false);  // an unused lse must not look like a zero gradient
+    const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
     const bool has_bias = linear_bias && linear_bias->defined();
     const std::array<bool, 3> needs{input.requires_grad(), linear_weight.requires_grad(),
                                     has_bias && linear_bias->requires_grad()};
     ctx->saved_data["needs_grad"] = std::vector<bool>(needs.begin(), needs.end());
-    ctx->saved_data["reduction"] = std::string(reduction);
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["z_loss"] = z_loss;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["logit_scale"] = logit_scale;
-    ctx->saved_data["workspace_bytes"] = workspace_bytes;
+    ctx->saved_data["options"] = o.to_ivalue();
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor loss, lse;
-    if (reduction != "none") {
+    if (o.scalar()) {
       static auto op = op_handle("fused_ce::linear_cross_entropy_with_grad")
                            .typed<decltype(linear_cross_entropy_with_grad)>();
-      auto [l, s, gx, gw, gb] = op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                                        label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, needs);
+      auto [l, s, gx, gw, gb] = op.call(input, linear_weight, target, linear_bias, weight, needs, FUSED_CE_OPTION_ARGS);
       loss = l;
       lse = s;
       // Not saved with save_for_backward: the backward consumes them (scales in place and hands them on).
       ctx->saved_data["grads"] = std::vector<at::Tensor>{gx, gw, gb};
     } else {
       static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
-      std::tie(loss, lse) = op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                                    label_smoothing, z_loss, softcap, logit_scale, workspace_bytes);
+      std::tie(loss, lse) = op.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
     }
     ctx->save_for_backward({input, linear_weight, target, has_bias ? *linear_bias : at::Tensor(),
                             weight ? *weight : at::Tensor(), lse});
@@ -77,7 +68,13 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const at::Tensor& lse = saved[5];
     at::Tensor grad_loss = grads[0];
     const at::Tensor& grad_lse = grads[1];
-    at::Tensor gx, gw, gb;
+    const auto result = [&](const at::Tensor& gx, const at::Tensor& gw, const at::Tensor& gb) -> variable_list {
+      variable_list out(12);  // one per op argument; only input, linear_weight and linear_bias get one
+      out[0] = mask[0] ? gx : at::Tensor();
+      out[1] = mask[1] ? gw : at::Tensor();
+      out[3] = mask[2] ? gb : at::Tensor();
+      return out;
+    };
     auto precomputed = ctx->saved_data.find("grads");
     if (precomputed != ctx->saved_data.end()) {
       auto list = precomputed->second.toTensorVector();
@@ -85,74 +82,59 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       if (!grad_lse.defined()) {
         if (!grad_loss.defined()) grad_loss = at::zeros({}, lse.options());
         static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
-        const auto scale = [&](at::Tensor& g, bool needed) {
-          if (needed) scale_op.call(g, grad_loss);
-        };
-        gx = list[0];
-        gw = list[1];
-        gb = list[2];
-        scale(gx, mask[0]);
-        scale(gw, mask[1]);
-        scale(gb, mask[2]);
-        list.clear();
-        return {mask[0] ? gx : at::Tensor(), mask[1] ? gw : at::Tensor(), at::Tensor(), mask[2] ? gb : at::Tensor(),
-                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-                at::Tensor()};
+        for (int i = 0; i < 3; ++i) {
+          if (mask[i]) scale_op.call(list[i], grad_loss);
+        }
+        return result(list[0], list[1], list[2]);
       }
     }
-    const std::string reduction = ctx->saved_data["reduction"].toStringRef();
-    if (!grad_loss.defined()) {
-      grad_loss = reduction == "none" ? at::zeros_like(lse) : at::zeros({}, lse.options());
-    }
+    const LossOptions o = LossOptions::from_ivalue(ctx->saved_data["options"]);
+    if (!grad_loss.defined()) grad_loss = o.scalar() ? at::zeros({}, lse.options()) : at::zeros_like(lse);
     static auto op = op_handle("fused_ce::linear_cross_entropy_backward")
                          .typed<decltype(linear_cross_entropy_backward)>();
     const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-    std::tie(gx, gw, gb) = op.call(
-        grad_loss, opt(grad_lse), saved[0], saved[1], saved[2], opt(saved[3]), opt(saved[4]), lse, reduction,
-        ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["label_smoothing"].toDouble(),
-        ctx->saved_data["z_loss"].toDouble(), ctx->saved_data["softcap"].toOptional<double>(),
-        ctx->saved_data["logit_scale"].toDouble(), ctx->saved_data["workspace_bytes"].toOptional<int64_t>(), mask);
-    return {mask[0] ? gx : at::Tensor(), mask[1] ? gw : at::Tensor(), at::Tensor(), mask[2] ? gb : at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    const auto [gx, gw, gb] = o.apply([&](auto... options) {
+      return op.call(grad_loss, opt(grad_lse), saved[0], saved[1], saved[2], opt(saved[3]), opt(saved[4]), lse, mask,
+                     options...);
+    });
+    return result(gx, gw, gb);
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
-    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap, double logit_scale,
-    std::optional<int64_t> workspace_bytes) {
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(const at::Tensor& input,
+                                                                 const at::Tensor& linear_weight,
+                                                                 const at::Tensor& target,
+                                                                 const std::optional<at::Tensor>& linear_bias,
+                                                                 const std::optional<at::Tensor>& weight,
+                                                                 FUSED_CE_OPTION_PARAMS) {
   const bool differentiable = input.requires_grad() || linear_weight.requires_grad() ||
                               (linear_bias && linear_bias->defined() && linear_bias->requires_grad());
   if (!at::GradMode::is_enabled() || !differentiable) {  // no gradient work at all
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
-    return op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
-                   z_loss, softcap, logit_scale, workspace_bytes);
+    return op.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
   }
-  auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias, weight, reduction,
-                                               ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-                                               workspace_bytes);
+  auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias, weight,
+                                               FUSED_CE_OPTION_ARGS);
   return {out[0], out[1]};
 }
 
 // Autocast: like F.linear, the linear part runs in the autocast dtype (the
 // loss is float32 inside anyway).
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
-    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap, double logit_scale,
-    std::optional<int64_t> workspace_bytes) {
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(const at::Tensor& input,
+                                                                 const at::Tensor& linear_weight,
+                                                                 const at::Tensor& target,
+                                                                 const std::optional<at::Tensor>& linear_bias,
+                                                                 const std::optional<at::Tensor>& weight,
+                                                                 FUSED_CE_OPTION_PARAMS) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   const auto dtype = at::autocast::get_autocast_dtype(device_type);
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
   std::optional<at::Tensor> bias;
   if (linear_bias && linear_bias->defined()) bias = cast(*linear_bias);
   static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
-  return op.call(cast(input), cast(linear_weight), target, bias, weight, reduction, ignore_index, label_smoothing,
-                 z_loss, softcap, logit_scale, workspace_bytes);
+  return op.call(cast(input), cast(linear_weight), target, bias, weight, FUSED_CE_OPTION_ARGS);
 }
 
 // What the build embedded: architectures, and one cubin's bytes (for tests).
@@ -183,23 +165,24 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
 }  // namespace
 
 TORCH_LIBRARY(fused_ce, m) {
-  m.def(
-      "linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, "
-      "Tensor? weight=None, str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, "
-      "float z_loss=0.0, float? softcap=None, float logit_scale=1.0, int? workspace_bytes=None) -> (Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor linear_weight, "
-      "Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, str reduction, int ignore_index, "
-      "float label_smoothing, float z_loss, float? softcap, float logit_scale, int? workspace_bytes, "
-      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
-      "Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, "
-      "float logit_scale, int? workspace_bytes, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
+  m.def("linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, "
+        "Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor linear_weight, "
+        "Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA
+        ") -> (Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
+        "Tensor? weight, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA
+        ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
+  m.def("_plan(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, str pass_, "
+        FUSED_CE_OPTION_SCHEMA
+        ") -> (str pass_, str strategy, int block_rows, int tile_cols, int stats_block_rows, str logits_dtype, "
+        "str grad_input_dtype, str grad_weight_dtype, bool rank_one_smoothing, bool rows_on_device, int budget_bytes, "
+        "int workspace_bytes)",
+        &plan_of);
   m.def("_embedded_archs() -> int[]", &embedded_archs);
   m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
 }

@@ -9,13 +9,13 @@ import torch
 
 from . import _C  # noqa: F401  (registers the ops)
 from . import _fake  # noqa: F401  (fake kernels for FakeTensor / torch.compile)
-from .functional import linear_cross_entropy
+from ._version import __version__
+from .functional import Plan, linear_cross_entropy, plan
 from .modules import LinearCrossEntropyLoss
 
-__version__ = "0.1.0"
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "cuda_archs"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "plan", "Plan", "cuda_archs", "__version__"]
 
 
-def cuda_archs() -> list:
+def cuda_archs() -> list[int]:
     """Compute capabilities (e.g. ``[80, 86, 89, 90, 100, 120]``) this build has kernels for."""
     return list(torch.ops.fused_ce._embedded_archs())

@@ -1,4 +1,7 @@
-"""Fake (meta) kernels: output shapes and dtypes without computing anything."""
+"""Fake (meta) kernels: output shapes and dtypes without computing anything.
+
+The options after ``reduction`` (csrc/options.h) do not change any shape, so they pass as ``*options``.
+"""
 import torch
 
 
@@ -8,8 +11,7 @@ def _loss_dtype(input):
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy")
 def _linear_cross_entropy_fake(input, linear_weight, target, linear_bias=None, weight=None, reduction="mean",
-                               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, logit_scale=1.0,
-                               workspace_bytes=None):
+                               *options, **keyword_options):
     torch._check(input.dim() >= 1, lambda: "linear_cross_entropy: input must have at least one dimension")
     torch._check(linear_weight.dim() == 2, lambda: "linear_cross_entropy: linear_weight must be 2-D [V, D]")
     torch._check(linear_weight.shape[1] == input.shape[-1],
@@ -21,26 +23,26 @@ def _linear_cross_entropy_fake(input, linear_weight, target, linear_bias=None, w
     return loss, lse
 
 
-@torch.library.register_fake("fused_ce::linear_cross_entropy_backward")
-def _linear_cross_entropy_backward_fake(grad_loss, grad_lse, input, linear_weight, target, linear_bias, weight, lse,
-                                        reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-                                        workspace_bytes, output_mask):
+def _grads(input, linear_weight, linear_bias, output_mask):
     def grad(t, needed):
         return t.new_empty(t.shape) if needed and t is not None else input.new_empty((0,))
 
     return grad(input, output_mask[0]), grad(linear_weight, output_mask[1]), grad(linear_bias, output_mask[2])
 
 
+@torch.library.register_fake("fused_ce::linear_cross_entropy_backward")
+def _linear_cross_entropy_backward_fake(grad_loss, grad_lse, input, linear_weight, target, linear_bias, weight, lse,
+                                        output_mask, *options, **keyword_options):
+    return _grads(input, linear_weight, linear_bias, output_mask)
+
+
 @torch.library.register_fake("fused_ce::linear_cross_entropy_with_grad")
-def _linear_cross_entropy_with_grad_fake(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                                         label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, output_mask):
+def _linear_cross_entropy_with_grad_fake(input, linear_weight, target, linear_bias, weight, output_mask,
+                                         reduction="mean", *options, **keyword_options):
     torch._check(reduction in ("mean", "sum"),
                  lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'")
     loss, lse = _linear_cross_entropy_fake(input, linear_weight, target, linear_bias, weight, reduction)
-    grads = _linear_cross_entropy_backward_fake(None, None, input, linear_weight, target, linear_bias, weight, lse,
-                                                reduction, ignore_index, label_smoothing, z_loss, softcap,
-                                                logit_scale, workspace_bytes, output_mask)
-    return (loss, lse, *grads)
+    return (loss, lse, *_grads(input, linear_weight, linear_bias, output_mask))
 
 
 @torch.library.register_fake("fused_ce::_scale_grad_")

@@ -1,8 +1,32 @@
-"""The functional front: a drop-in for ``torch.nn.functional.linear_cross_entropy``."""
-from typing import Optional
+"""The functional front: a drop-in for ``torch.nn.functional.linear_cross_entropy``, and the plan of a call."""
+from typing import Literal, NamedTuple, Optional, Union, overload
 
 import torch
 from torch import Tensor
+
+
+def _op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes):
+    """The op's option arguments, in schema order (csrc/options.h)."""
+    return (reduction, -100 if ignore_index is None else ignore_index, float(label_smoothing), float(z_loss),
+            None if softcap is None else float(softcap), float(logit_scale), workspace_bytes)
+
+
+@overload
+def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
+                         linear_bias: Optional[Tensor] = None, weight: Optional[Tensor] = None,
+                         reduction: str = "mean", ignore_index: Optional[int] = -100, label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+                         return_lse: Literal[False] = False, workspace_bytes: Optional[int] = None,
+                         options=None) -> Tensor: ...
+
+
+@overload
+def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
+                         linear_bias: Optional[Tensor] = None, weight: Optional[Tensor] = None,
+                         reduction: str = "mean", ignore_index: Optional[int] = -100, label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+                         return_lse: Literal[True], workspace_bytes: Optional[int] = None,
+                         options=None) -> tuple[Tensor, Tensor]: ...
 
 
 def linear_cross_entropy(
@@ -21,7 +45,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     workspace_bytes: Optional[int] = None,
     options=None,
-):
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
     r"""Cross entropy of ``input @ linear_weight.T (+ linear_bias)`` against ``target``, without the logits.
 
     Same arguments and semantics as :func:`torch.nn.functional.linear_cross_entropy`
@@ -47,19 +71,60 @@ def linear_cross_entropy(
         return_lse: also return the float32 log-sum-exp of the (scaled, capped) logits, shaped like ``target``.
             It is computed for every row, ignored rows included, and carries a gradient.
         workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 32 MiB on CPU);
-            larger blocks run closer to the GEMM rate, smaller ones save memory.
+            larger blocks run closer to the GEMM rate, smaller ones save memory. :func:`plan` shows what a
+            budget buys.
         options: accepted for compatibility with torch's signature and ignored: this loss is always chunked.
 
     Returns:
         The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with ``return_lse=True``.
     """
-    if ignore_index is None:
-        ignore_index = -100
     loss, lse = torch.ops.fused_ce.linear_cross_entropy(
-        input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-        float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), float(logit_scale),
-        workspace_bytes,
+        input, linear_weight, target, linear_bias, weight,
+        *_op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes),
     )
     if return_lse:
         return loss, lse
     return loss
+
+
+_DTYPES = {"BFloat16": torch.bfloat16, "Half": torch.float16, "Float": torch.float32, "Double": torch.float64}
+
+
+class Plan(NamedTuple):
+    """What one op call does (csrc/plan.h): chosen from the shapes, dtypes, options, device and budget."""
+
+    pass_: str  # "forward" (loss and lse), "backward" (recomputing), "forward_with_grad" (scalar losses)
+    strategy: str  # "aten_chunks", "stored_logits", "dot_tiles" or "vocab_tiles"
+    block_rows: int  # rows of logits per block
+    tile_cols: int  # vocabulary columns per block (V: whole rows)
+    stats_block_rows: int  # "vocab_tiles": rows per block of its stats pass; else 0
+    logits_dtype: torch.dtype  # of the logit blocks and the GEMMs on them
+    grad_input_dtype: Optional[torch.dtype]  # where dX accumulates across blocks (None for "forward")
+    grad_weight_dtype: Optional[torch.dtype]  # where dW accumulates across blocks
+    rank_one_smoothing: bool  # class-weighted smoothing sums from two GEMVs instead of per logit
+    rows_on_device: bool  # per-row bookkeeping in kernels (prepare_rows, assemble_loss)
+    budget_bytes: int  # workspace_bytes, or the device's default
+    workspace_bytes: int  # bytes of logit blocks (and their partials) held at once
+
+
+def plan(input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Optional[Tensor] = None,
+         weight: Optional[Tensor] = None, reduction: str = "mean", ignore_index: Optional[int] = -100,
+         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+         logit_scale: float = 1.0, workspace_bytes: Optional[int] = None, pass_: Optional[str] = None) -> Plan:
+    """The plan :func:`linear_cross_entropy` follows for these arguments, without running it.
+
+    ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
+    gradients, else "forward"; a per-row loss or a gradient through the lse also runs "backward" later.
+    The plan depends on shapes, dtypes, strides and device, not on values: expanded tensors serve.
+    """
+    if pass_ is None:
+        differentiable = torch.is_grad_enabled() and (
+            input.requires_grad or linear_weight.requires_grad
+            or (linear_bias is not None and linear_bias.requires_grad))
+        pass_ = "forward_with_grad" if differentiable and reduction != "none" else "forward"
+    fields = torch.ops.fused_ce._plan(
+        input, linear_weight, target, linear_bias, weight, pass_,
+        *_op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes),
+    )
+    values = [_DTYPES.get(v) if name.endswith("dtype") else v for name, v in zip(Plan._fields, fields)]
+    return Plan(*values)

@@ -1,4 +1,6 @@
 """What the build produced: embedded cubins per architecture; no triton at import."""
+import importlib
+import inspect
 import os
 import struct
 import subprocess
@@ -19,6 +21,10 @@ def cubin_arch(blob: bytes) -> int:
     return (flags >> 8) & 0xFF if abi_version >= 8 else flags & 0xFF
 
 
+def kernel_module(kernel):
+    return importlib.import_module(f"fused_ce.kernels.{kernel}")
+
+
 def requested_archs():
     spec = os.environ.get("FUSED_CE_CUDA_ARCHS") or os.environ.get("TORCH_CUDA_ARCH_LIST")
     return None if spec else list(configs.DEFAULT_ARCHS)
@@ -33,10 +39,24 @@ def test_every_arch_embedded_as_real_cubins():
         assert {a for a in expected if a <= 90} <= set(archs)
     for arch in archs:
         for kernel in configs.KERNELS:
-            for dtype, layout in configs.variant_keys(kernel):
+            for dtype, layout in kernel_module(kernel).SPEC.variants():
                 blob = bytes(torch.ops.fused_ce._embedded_cubin(arch, kernel, dtype, layout).tolist())
                 assert len(blob) > 1000
                 assert cubin_arch(blob) == arch, (kernel, dtype, layout, arch)
+
+
+@pytest.mark.parametrize("kernel", configs.KERNELS)
+def test_spec_matches_kernel(kernel):
+    # The SPEC beside each @triton.jit lists its launch parameters in order; the rest are constexprs.
+    module = kernel_module(kernel)
+    spec, fn = module.SPEC, getattr(module, f"{kernel}_kernel")
+    assert spec.name == kernel
+    names = spec.param_names()
+    assert list(fn.arg_names[: len(names)]) == names
+    annotations = [p.annotation for p in inspect.signature(getattr(fn, "fn", fn)).parameters.values()]
+    assert all("constexpr" in str(a) for a in annotations[len(names):]), annotations
+    assert spec.divisible_by_16 <= set(names) and spec.unit_stride <= set(names)
+    configs.config(spec.family, 90, "bf16")  # a configuration family that exists
 
 
 def test_missing_cubin_is_an_error():

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import fused_ce
-from conftest import requires_cuda
 from reference import make_problem, reference_loss, rel_err
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.cuda
 
 
 def kernel_names(fn):
@@ -21,34 +20,49 @@ def kernel_names(fn):
     return {e.name for e in prof.events()}
 
 
+# The kernels each strategy's executor launches besides prepare_rows and cuBLAS: the plan decides the
+# strategy (test_plan.py asserts it); this checks that the executors follow it.
+STRATEGY_KERNELS = {
+    ("forward", "stored_logits"): {"logit_partials_kernel", "combine_partials_kernel"},
+    ("forward", "dot_tiles"): {"row_stats_kernel"},
+    ("forward_with_grad", "stored_logits"): {"logit_partials_kernel", "combine_partials_kernel",
+                                             "softmax_grad_kernel"},
+    ("forward_with_grad", "dot_tiles"): {"row_stats_kernel", "logit_grad_kernel"},
+    ("backward", "dot_tiles"): {"logit_grad_kernel"},
+}
+ALL_STAGE_KERNELS = set().union(*STRATEGY_KERNELS.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_embedded_kernels_run_without_fallback(dtype, aligned):
+def test_executors_follow_the_plan(dtype, aligned):
     N, D, V = (256, 128, 1024) if aligned else (77, 72, 333)
     x, w, t, _ = make_problem(N, D, V, dtype=dtype, device="cuda")
     x.requires_grad_()
     w.requires_grad_()
     # float16 never stores logits (they could overflow): tl.dot tiles instead of cuBLAS blocks
-    half = dtype == torch.float16
-    expected = {
-        "loss only": ("row_stats_kernel",) if half else ("logit_partials_kernel", "combine_partials_kernel"),
-        "scalar loss, backward": ("row_stats_kernel", "logit_grad_kernel") if half
-        else ("logit_partials_kernel", "combine_partials_kernel", "softmax_grad_kernel", "scale_kernel"),
-        "per-row loss, backward": ("row_stats_kernel", "logit_grad_kernel") if half
-        else ("logit_partials_kernel", "combine_partials_kernel", "logit_grad_kernel"),
+    stored = "dot_tiles" if dtype == torch.float16 else "stored_logits"
+    runs = {  # name: (passes and their expected strategies, the call)
+        "loss only": ([("forward", stored)], lambda: fused_ce.linear_cross_entropy(x.detach(), w.detach(), t)),
+        "scalar loss, backward": ([("forward_with_grad", stored)],
+                                  lambda: fused_ce.linear_cross_entropy(x, w, t).backward()),
+        "per-row loss, backward": ([("forward", stored), ("backward", "dot_tiles")],
+                                   lambda: fused_ce.linear_cross_entropy(x, w, t, reduction="none").sum().backward()),
     }
-    runs = {
-        "loss only": lambda: fused_ce.linear_cross_entropy(x.detach(), w.detach(), t),
-        "scalar loss, backward": lambda: fused_ce.linear_cross_entropy(x, w, t).backward(),
-        "per-row loss, backward": lambda: fused_ce.linear_cross_entropy(x, w, t, reduction="none").sum().backward(),
-    }
-    for name, run in runs.items():
+    for name, (passes, run) in runs.items():
+        reduction = "none" if name.startswith("per-row") else "mean"
+        expected = set()
+        for pass_, strategy in passes:
+            plan = fused_ce.plan(x, w, t, reduction=reduction, pass_=pass_)
+            assert plan.strategy == strategy and plan.rows_on_device, (name, plan)
+            expected |= STRATEGY_KERNELS[(pass_, strategy)]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             names = kernel_names(run)
         assert not [w for w in caught if "fused_ce" in str(w.message)], name  # the fallback warns
-        for kernel in expected[name] + ("prepare_rows_kernel",):
-            assert any(kernel in n for n in names), (name, kernel, sorted(names))
+        ran = {k for k in ALL_STAGE_KERNELS if any(k in n for n in names)}
+        assert ran == expected, (name, sorted(ran), sorted(expected))
+        assert any("prepare_rows_kernel" in n for n in names), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -95,19 +109,21 @@ def test_scale_grad_skips_unit_scale(dtype, shape):
                          ids=["plain", "smoothing", "softcap"])
 def test_lean_workspace_takes_vocabulary_tiles(dtype, features):
     # A workspace that holds only a few hundred whole rows: many row blocks would re-read dW once each, so the
-    # forward with gradient takes 2-D tiles (2048 rows x a vocabulary slice, loss.cpp) after a stats pass.
+    # plan takes 2-D tiles (2048 rows x a vocabulary slice) after a stats pass.
     N, D, V, budget = 4096, 256, 5000, 4 << 20
     x, w, t, b = make_problem(N, D, V, dtype=dtype, device="cuda", bias=True)
     cw = torch.rand(V, device="cuda") + 0.5
     kw = dict(features, weight=cw, reduction="mean")
     xl, wl, bl = (v.detach().clone().requires_grad_() for v in (x, w, b))
+    plan = fused_ce.plan(xl, wl, t, linear_bias=bl, workspace_bytes=budget, **kw)
+    assert (plan.strategy, plan.block_rows) == ("vocab_tiles", 2048), plan
+    assert plan.tile_cols == budget // (2048 * x.element_size()) // 128 * 128
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl, workspace_bytes=budget, **kw)
         loss.backward()
         torch.cuda.synchronize()
-    cols = budget // (2048 * x.element_size()) // 128 * 128
     launches = sum(1 for e in prof.events() if "softmax_grad_kernel" in e.name)
-    assert launches == -(-N // 2048) * -(-V // cols), launches  # one per tile, not one per row block
+    assert launches == -(-N // plan.block_rows) * -(-V // plan.tile_cols), launches  # one per tile of the plan
     xr, wr, br = (v.double().requires_grad_() for v in (x, w, b))
     ref = reference_loss(xr, wr, t, linear_bias=br, **kw)
     ref.backward()
@@ -128,9 +144,10 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) a
     loss.backward()
     none = fused_ce.linear_cross_entropy(x, w, t, reduction="none")
     torch.cuda.synchronize()
+for pass_ in ("forward", "forward_with_grad", "backward"):
+    assert fused_ce.plan(x, w, t, pass_=pass_).strategy == "aten_chunks"
 names = " ".join(e.name for e in prof.events())
-assert not any(k in names for k in ("row_stats", "logit_partials", "combine_partials", "softmax_grad", "logit_grad",
-                                    "scale_kernel", "prepare_rows", "assemble_loss")), names
+assert not any(k in names for k in ("prepare_rows", "assemble_loss", "scale_kernel")), names
 ref = [v.double().requires_grad_() for v in (x, w, b)]
 r = reference_loss(ref[0], ref[1], t, linear_bias=ref[2], label_smoothing=0.1)
 r.backward()

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import fused_ce
+from helpers import DEVICES
 from reference import make_problem, reference_loss, rel_err
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)

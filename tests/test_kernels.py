@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from conftest import KERNEL_TEST_DEVICE as DEVICE  # noqa: E402
+from helpers import KERNEL_DEVICE as DEVICE  # noqa: E402
 from fused_ce.kernels import configs, jit  # noqa: E402
 from reference import make_problem  # noqa: E402
 
@@ -41,7 +41,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
 def test_row_stats(case):
     x, w, t, b, cw, scale, cap = case_inputs(case)
-    lse, zt, wz = jit.row_stats(x, w, t, bias=b, class_weight=cw, logit_scale=scale, softcap=cap, need_wz=True,
+    lse, zt, wz = jit.row_stats(x, w, t, bias=b, class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True,
                                 num_splits=case.get("splits", 2))
     z = transformed_logits(x, w, b, scale, cap)
     valid = t >= 0
@@ -95,7 +95,7 @@ def test_logit_grad_strided_output_and_inputs():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
-def test_softmax_grad(case):
+def test_stats_from_logits_and_softmax_grad(case):
     N, V = case["N"], case["V"]
     x, w, t, b, cw, scale, cap = case_inputs(case)
     raw = x.double() @ w.double().T + (b.double() if b is not None else 0)
@@ -104,13 +104,10 @@ def test_softmax_grad(case):
     logits.copy_(raw)
     alpha, alpha_lse, beta = (torch.rand(N, device=DEVICE) for _ in range(3))
     gamma = torch.rand(N, device=DEVICE) * 0.01
-    stats_only = jit.softmax_grad(logits, t, alpha, alpha_lse, beta, gamma, class_weight=cw, logit_scale=scale,
-                                  softcap=cap, smoothing=True, write_grad=False)
-    assert torch.equal(logits, raw.to(x.dtype)), "write_grad=False wrote"
-    lse, zt, wz = jit.softmax_grad(logits, t, alpha, alpha_lse, beta, gamma, class_weight=cw, logit_scale=scale,
-                                   softcap=cap, smoothing=True)
-    for a, c in zip(stats_only, (lse, zt, wz)):
-        assert torch.equal(a, c)
+    kw = dict(class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True)
+    lse, zt, wz = jit.stats_from_logits(logits, t, **kw)
+    assert torch.equal(logits, raw.to(x.dtype)), "the stats pass wrote"
+    jit.softmax_grad(logits, t, lse, alpha, alpha_lse, beta, gamma, **kw)
     # reference from the logits as stored (rounded to the input dtype), like the kernel sees them
     zs = raw.to(x.dtype).double() * scale
     if cap is not None:
@@ -138,7 +135,7 @@ def test_softmax_grad(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
-def test_grad_in_place_on_vocabulary_slices(case):
+def test_softmax_grad_on_vocabulary_slices(case):
     # Lean workspaces take the gradient in vocabulary slices (column offsets) with the lse of whole rows:
     # the slices together must give what one pass over whole rows gives.
     N, V = case["N"], case["V"]
@@ -148,20 +145,21 @@ def test_grad_in_place_on_vocabulary_slices(case):
     gamma = torch.rand(N, device=DEVICE) * 0.01
     kw = dict(logit_scale=scale, softcap=cap, smoothing=True)
     whole = raw.clone()
-    lse, _, _ = jit.softmax_grad(whole, t, alpha, alpha_lse, beta, gamma, class_weight=cw, **kw)
+    lse, _, _ = jit.stats_from_logits(whole, t, class_weight=cw, **kw)
+    jit.softmax_grad(whole, t, lse, alpha, alpha_lse, beta, gamma, class_weight=cw, **kw)
     edges = [0, V // 3, V // 3 + 1, V]  # uneven slices, one a single column
     for v0, v1 in zip(edges[:-1], edges[1:]):
         part = torch.full((N, v1 - v0 + 5), float("nan"), dtype=x.dtype, device=DEVICE)  # padded rows
         part[:, :v1 - v0] = raw[:, v0:v1]
-        jit.grad_in_place(part[:, :v1 - v0], t, lse, alpha, alpha_lse, beta, gamma, col_offset=v0,
-                          class_weight=None if cw is None else cw[v0:v1], **kw)
+        jit.softmax_grad(part[:, :v1 - v0], t, lse, alpha, alpha_lse, beta, gamma, col_offset=v0,
+                         class_weight=None if cw is None else cw[v0:v1], **kw)
         assert torch.equal(part[:, :v1 - v0], whole[:, v0:v1]), (v0, v1)
         assert torch.isnan(part[:, v1 - v0:]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_scale(dtype):
-    n = 3 * configs.INTERPRETER_ROW.block + 5  # several blocks per program and a tail
+    n = 3 * configs.INTERPRETER["elementwise"].block + 5  # several blocks per program and a tail
     g = torch.randn(n, device=DEVICE).to(dtype)
     before = g.clone()
     jit.scale_(g, torch.tensor(1.0, device=DEVICE), programs=2)

@@ -6,9 +6,11 @@ explicit ``GPUTarget`` per architecture. Writes, under ``out_dir``:
 - ``{kernel}_{dtype}_{layout}_sm{arch}.cubin`` for every variant, and
 - ``kernel_table.cpp``: the cubins embedded with ``.incbin`` plus a table
   (csrc/kernel_table.h) that the C++ launcher reads: function name, launch
-  parameters in order, shared memory, warps and tile sizes.
+  parameters in order (from the kernel's SPEC), shared memory, warps and tile
+  sizes; and the plan's per-architecture constants (configs.ARCH_CONSTANTS).
 
-Usage: ``python -m fused_ce._build.aot OUT_DIR [--archs 80,90]``.
+Usage (as a script: the fused_ce package cannot be imported before its library
+is built): ``python fused_ce/_build/aot.py OUT_DIR [--archs 80,90]``.
 """
 import argparse
 import concurrent.futures
@@ -39,95 +41,33 @@ def _kernels_package():
 
 configs = importlib.import_module(f"{_kernels_package()}.configs")
 
-# Launch parameters of each kernel, in source order, with their Triton types.
-# "T" is the input dtype. Checked against the kernel's own argument list below.
-_SIGNATURES = {
-    "row_stats": [
-        ("x_ptr", "*T"), ("w_ptr", "*T"), ("b_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"),
-        ("m_ptr", "*fp32"), ("s_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
-        ("N", "i64"), ("V", "i64"), ("D", "i64"),
-        ("stride_xn", "i64"), ("stride_xd", "i64"), ("stride_wv", "i64"), ("stride_wd", "i64"),
-        ("cols_per_split", "i64"),
-        ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"), ("need_wz", "i32"),
-    ],
-    "logit_grad": [
-        ("x_ptr", "*T"), ("w_ptr", "*T"), ("b_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"),
-        ("lse_ptr", "*fp32"), ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"),
-        ("gamma_ptr", "*fp32"), ("g_ptr", "*T"),
-        ("N", "i64"), ("v_begin", "i64"), ("v_end", "i64"), ("D", "i64"),
-        ("stride_xn", "i64"), ("stride_xd", "i64"), ("stride_wv", "i64"), ("stride_wd", "i64"),
-        ("stride_gn", "i64"),
-        ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"),
-    ],
-    "logit_partials": [
-        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"),
-        ("R", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
-        ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
-    ],
-    "combine_partials": [
-        ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"), ("logits_ptr", "*T"), ("tgt_ptr", "*i64"),
-        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
-        ("R", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
-        ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_softcap", "i32"), ("has_smoothing", "i32"),
-    ],
-    "softmax_grad": [
-        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("lse_ptr", "*fp32"),
-        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
-        ("R", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"), ("col_offset", "i64"),
-        ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
-    ],
-    "scale": [("g_ptr", "*T"), ("scale_ptr", "*fp32"), ("numel", "i64")],
-    "prepare_rows": [
-        ("tgt_ptr", "*i64"), ("cw_ptr", "*fp32"), ("tgt_out_ptr", "*i64"), ("wt_ptr", "*fp32"),
-        ("totals_ptr", "*fp32"), ("bad_ptr", "*i32"),
-        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
-        ("N", "i64"), ("V", "i64"), ("ignore_index", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
-        ("has_class_weight", "i32"), ("mean", "i32"), ("write_coefficients", "i32"),
-    ],
-    "assemble_loss": [
-        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("wt_ptr", "*fp32"),
-        ("totals_ptr", "*fp32"), ("loss_ptr", "*fp32"),
-        ("N", "i64"), ("V", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
-        ("has_smoothing", "i32"), ("reduction", "i32"),
-    ],
-}
-# What the "aligned" layout may assume (checked at run time by csrc/cuda_stages.cpp).
-_ALIGNED_DIVISIBLE_16 = {"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv", "g_ptr", "stride_gn", "logits_ptr",
-                         "stride_ln"}
-_ALIGNED_UNIT = {"stride_xd", "stride_wd"}
-# Passes over stored logits and elementwise passes: the bound of their mask a multiple of 16 too, else the
-# mask keeps the accesses scalar.
-_ALIGNED_DIVISIBLE_16_BY_KERNEL = {"logit_partials": {"V"}, "softmax_grad": {"V"}, "scale": {"numel"}}
+
+def kernel_module(name):
+    return importlib.import_module(f"{_kernels_package()}.{name}")
 
 
-def kernel_function(name):
-    module = importlib.import_module(f"{_kernels_package()}.{name}")
-    return getattr(module, f"{name}_kernel")
+def kernel_spec(name):
+    """The kernel's SPEC (fused_ce/kernels/spec.py), declared beside its @triton.jit."""
+    return kernel_module(name).SPEC
 
 
 def variant_spec(kernel, dtype, layout, arch):
-    """(signature, constexprs, attrs, launch params, options) for one variant."""
-    fn = kernel_function(kernel)
-    sig = _SIGNATURES[kernel]
-    constexpr_names = [n for n in fn.arg_names if n not in dict(sig)]
-    expected = [n for n, _ in sig] + constexpr_names
+    """(function, signature, constexprs, attrs, launch params, options, blocks) for one variant."""
+    module = kernel_module(kernel)
+    fn, spec = getattr(module, f"{kernel}_kernel"), module.SPEC
+    constexpr_names = [n for n in fn.arg_names if n not in spec.param_names()]
+    expected = spec.param_names() + constexpr_names
     if list(fn.arg_names) != expected:
-        raise RuntimeError(f"{kernel}: kernel arguments {fn.arg_names} do not match the AOT signature {expected}")
+        raise RuntimeError(f"{kernel}: kernel arguments {fn.arg_names} do not match its SPEC {expected}")
     aligned = layout == "aligned"
-    if kernel in configs.GEMM_KERNELS:
-        cfg = configs.tile_config(kernel, arch, dtype)
+    cfg = configs.config(spec.family, arch, dtype)
+    if spec.family == "gemm":
         constexprs = {
             "BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d, "GROUP_N": cfg.group_n,
             "EVEN_D": aligned, "DOT_PRECISION": configs.dot_precision(dtype),
         }
         blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d, group_n=cfg.group_n)
     else:
-        cfg = configs.row_config(arch, dtype, kernel)
         constexprs = {"BLOCK": cfg.block}
         if "BLOCK_R" in fn.arg_names:
             constexprs["BLOCK_R"] = cfg.rows
@@ -135,15 +75,15 @@ def variant_spec(kernel, dtype, layout, arch):
             constexprs["FAST_TANH"] = configs.fast_tanh(dtype)
         blocks = dict(block_n=cfg.rows, block_v=cfg.block, block_d=0, group_n=0)
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
-    for i, (name, ty) in enumerate(sig):
+    for i, (name, ty) in enumerate(spec.params):
         ty = ty.replace("T", dtype)
-        if aligned and name in _ALIGNED_UNIT:
+        if aligned and name in spec.unit_stride:
             constexprs[name] = 1
             signature[name] = "constexpr"
             continue
         signature[name] = ty
         params.append((name, ty))
-        if aligned and (name in _ALIGNED_DIVISIBLE_16 or name in _ALIGNED_DIVISIBLE_16_BY_KERNEL.get(kernel, ())):
+        if aligned and name in spec.divisible_by_16:
             attrs[(i,)] = [["tt.divisibility", 16]]
     for name in constexpr_names:
         signature[name] = "constexpr"
@@ -241,7 +181,11 @@ def _emit_table(variants, out_dir):
             f'{v["extra_params"]}}},')
     if not variants:
         lines.append("  {}")
-    lines += ["};", f"const int kNumKernelVariants = {len(variants)};", "}  // namespace fused_ce", ""]
+    lines += ["};", f"const int kNumKernelVariants = {len(variants)};", "", "const ArchConstants kArchConstants[] = {"]
+    for arch, c in sorted(configs.ARCH_CONSTANTS.items()):
+        lines.append(f"  {{{arch}, {c.memory_bytes_per_s!r}, {c.gemm_flops_per_s!r}, {c.min_stored_rows}, "
+                     f"{c.gemm_tile_rows}, {c.vocab_tile_rows}}},")
+    lines += ["};", f"const int kNumArchConstants = {len(configs.ARCH_CONSTANTS)};", "}  // namespace fused_ce", ""]
     (Path(out_dir) / "kernel_table.cpp").write_text("\n".join(lines))
 
 
@@ -256,8 +200,7 @@ def build(out_dir, archs=None, jobs=None, log=print):
         log(f"fused_ce AOT: kernels up to date for sm_{archs}")
         return json.loads(stamp.read_text())["archs"]
     jobs = jobs or max(1, os.cpu_count() or 1)
-    work = [(k, d, l, a, str(out_dir)) for a in archs for k in configs.KERNELS
-            for d, l in configs.variant_keys(k)]
+    work = [(k, d, l, a, str(out_dir)) for a in archs for k in configs.KERNELS for d, l in kernel_spec(k).variants()]
     results, failed = {}, {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(compile_variant, *w): w for w in work}

@@ -9,6 +9,20 @@ order: deterministic.
 """
 import triton
 import triton.language as tl
+from .spec import KernelSpec
+
+SPEC = KernelSpec(
+    "assemble_loss",
+    params=(
+        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("wt_ptr", "*fp32"),
+        ("totals_ptr", "*fp32"), ("loss_ptr", "*fp32"),
+        ("N", "i64"), ("V", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
+        ("has_smoothing", "i32"), ("reduction", "i32"),
+    ),
+    family="rows",
+    dtypes=("fp32",),  # float32 arguments whatever the inputs
+    layouts=("general",),
+)
 
 
 @triton.jit

@@ -10,18 +10,32 @@ import triton
 import triton.language as tl
 
 from .tile import load_logits
+from .spec import KernelSpec
+
+SPEC = KernelSpec(
+    "combine_partials",
+    params=(
+        ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"), ("logits_ptr", "*T"), ("tgt_ptr", "*i64"),
+        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
+        ("N", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_softcap", "i32"), ("has_smoothing", "i32"),
+    ),
+    family="combine",
+    layouts=("general",),  # one gathered load per row: nothing to gain from aligned accesses
+)
 
 
 @triton.jit
 def combine_partials_kernel(
     pm_ptr, ps_ptr, pw_ptr, logits_ptr, tgt_ptr, lse_ptr, zt_ptr, wz_ptr,
-    R, stride_ln, segments,
+    N, stride_ln, segments,
     logit_scale, softcap,
     has_softcap, has_smoothing,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < R
+    row_mask = rows < N
     offs = tl.arange(0, BLOCK)
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_R,), tl.float32)

@@ -1,172 +1,188 @@
-"""JIT launchers of the kernels, mirroring csrc/cuda_stages.cpp.
+"""JIT launchers of the kernels, one per stage of csrc/cuda_stages.cpp and named like it.
 
 For tests (CPU tensors under ``TRITON_INTERPRET=1``) and kernel development on
-a GPU with triton installed. The library itself never imports this module.
+a GPU with triton installed. Arguments are passed by the names of each kernel's
+SPEC and checked against it; tiles come from configs.py by the SPEC's family.
+The library itself never imports this module.
 """
 import torch
 import triton
 
-from . import configs
-from .assemble_loss import assemble_loss_kernel
-from .combine_partials import combine_partials_kernel
-from .logit_grad import logit_grad_kernel
-from .logit_partials import logit_partials_kernel
-from .prepare_rows import prepare_rows_kernel
-from .row_stats import row_stats_kernel
-from .scale import scale_kernel
-from .softmax_grad import softmax_grad_kernel
+from . import (
+    assemble_loss as _assemble_loss,
+    combine_partials as _combine_partials,
+    configs,
+    logit_grad as _logit_grad,
+    logit_partials as _logit_partials,
+    prepare_rows as _prepare_rows,
+    row_stats as _row_stats,
+    scale as _scale,
+    softmax_grad as _softmax_grad,
+)
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _config(kernel, x):
-    if not x.is_cuda:
-        return configs.INTERPRETER
-    major, minor = torch.cuda.get_device_capability(x.device)
-    return configs.tile_config(kernel, major * 10 + minor, _DTYPES[x.dtype])
+def _arch(t):
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return major * 10 + minor
 
 
-def _common(x, w, target, bias, class_weight, logit_scale, softcap, cfg):
-    D = x.shape[1]
-    placeholder = target  # any tensor: its pointer is never read when the flag is off
+def _config(module, t, config=None):
+    """The configuration of a kernel for tensors like `t`: the device's, or the interpreter's on the CPU."""
+    if config is not None:
+        return config
+    if not t.is_cuda:
+        return configs.INTERPRETER[module.SPEC.family]
+    return configs.config(module.SPEC.family, _arch(t), _DTYPES.get(t.dtype, "fp32"))
+
+
+def _fast_tanh(t):
+    return t.is_cuda and configs.fast_tanh(_DTYPES[t.dtype])  # the interpreter runs no inline PTX
+
+
+def _launch(module, grid, args, **meta):
+    """module's kernel on `grid`, with `args` checked against its SPEC's launch parameters."""
+    spec = module.SPEC
+    names = spec.param_names()
+    if set(args) != set(names):
+        raise TypeError(f"{spec.name}: arguments {sorted(set(args) ^ set(names))} differ from its SPEC")
+    getattr(module, f"{spec.name}_kernel")[grid](*(args[n] for n in names), **meta)
+
+
+def _placeholder(t, maybe):
+    return t if maybe is None else maybe  # any tensor: its pointer is never read when the flag is off
+
+
+def _xw_args(x, w, target, bias, class_weight, logit_scale, softcap):
     return dict(
-        x_ptr=x, w_ptr=w, b_ptr=placeholder if bias is None else bias,
-        cw_ptr=placeholder if class_weight is None else class_weight, tgt_ptr=target, D=D,
+        x_ptr=x, w_ptr=w, b_ptr=_placeholder(target, bias), cw_ptr=_placeholder(target, class_weight),
+        tgt_ptr=target, D=x.shape[1],
         stride_xn=x.stride(0), stride_xd=x.stride(1), stride_wv=w.stride(0), stride_wd=w.stride(1),
         logit_scale=float(logit_scale), softcap=float(softcap or 1.0),
         has_bias=int(bias is not None), has_class_weight=int(class_weight is not None),
         has_softcap=int(softcap is not None),
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
-        EVEN_D=D % cfg.block_d == 0, DOT_PRECISION=configs.dot_precision(_DTYPES[x.dtype]),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, softcap=None, need_wz=False,
+def _gemm_meta(cfg, x):
+    return dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
+                EVEN_D=x.shape[1] % cfg.block_d == 0, DOT_PRECISION=configs.dot_precision(_DTYPES[x.dtype]),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, softcap=None, smoothing=False,
               num_splits=None, config=None):
-    """(lse, target_logit, weighted_z_sum) per row; ``target`` holds -1 for ignored rows."""
-    cfg = config or _config("row_stats", x)
+    """(lse, target_logit, weighted_z_sum or None) per row; ``target`` holds -1 for ignored rows."""
+    cfg = _config(_row_stats, x, config)
     N, V = x.shape[0], w.shape[0]
     vocab_tiles = triton.cdiv(V, cfg.block_v)
     splits = min(num_splits or 1, vocab_tiles)
     cols_per_split = triton.cdiv(vocab_tiles, splits) * cfg.block_v
     splits = triton.cdiv(V, cols_per_split)
     partial = torch.empty(4, splits, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, cfg.block_n) * splits,)
-    row_stats_kernel[grid](
-        m_ptr=partial[0], s_ptr=partial[1], zt_ptr=partial[2], wz_ptr=partial[3], N=N, V=V,
-        cols_per_split=cols_per_split, need_wz=int(need_wz),
-        **_common(x, w, target, bias, class_weight, logit_scale, softcap, cfg))
+    args = dict(m_ptr=partial[0], s_ptr=partial[1], zt_ptr=partial[2], wz_ptr=partial[3], N=N, V=V,
+                cols_per_split=cols_per_split, has_smoothing=int(smoothing),
+                **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
+    _launch(_row_stats, (triton.cdiv(N, cfg.block_n) * splits,), args, **_gemm_meta(cfg, x))
     m = partial[0]
     m_max = m.max(0).values
     lse = m_max + (partial[1] * (m - m_max).exp()).sum(0).log()
-    return lse, partial[2].sum(0), partial[3].sum(0) if need_wz else None
+    return lse, partial[2].sum(0), partial[3].sum(0) if smoothing else None
 
 
 def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end, *, bias=None,
                class_weight=None, logit_scale=1.0, softcap=None, out=None):
     """The logit gradient (see logit_grad.py) for all rows and columns [v_begin, v_end)."""
-    cfg = _config("logit_grad", x)
+    cfg = _config(_logit_grad, x)
     N = x.shape[0]
     if out is None:
         out = torch.empty(N, v_end - v_begin, dtype=x.dtype, device=x.device)
+    args = dict(lse_ptr=lse, alpha_ptr=alpha, alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, g_ptr=out,
+                N=N, v_begin=v_begin, v_end=v_end, stride_gn=out.stride(0),
+                **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(v_end - v_begin, cfg.block_v),)
-    logit_grad_kernel[grid](
-        lse_ptr=lse, alpha_ptr=alpha, alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, g_ptr=out, N=N,
-        v_begin=v_begin, v_end=v_end, stride_gn=out.stride(0),
-        **_common(x, w, target, bias, class_weight, logit_scale, softcap, cfg))
+    _launch(_logit_grad, grid, args, **_gemm_meta(cfg, x))
     return out
 
 
-def softmax_grad(logits, target, alpha, alpha_lse, beta, gamma, *, class_weight=None, logit_scale=1.0,
-                 softcap=None, smoothing=False, write_grad=True, config=None, combine_config=None):
-    """Turns stored raw logits [N, V] into their gradient in place; returns (lse, target_logit, weighted_z_sum).
+def _transform_args(logits, logit_scale, softcap, smoothing):
+    return dict(logits_ptr=logits, stride_ln=logits.stride(0), logit_scale=float(logit_scale),
+                softcap=float(softcap or 1.0), has_softcap=int(softcap is not None), has_smoothing=int(smoothing))
 
-    The three stages of cuda_stages.cpp: logit_partials, combine_partials, then (``write_grad``) softmax_grad.
-    With ``smoothing`` False, gamma is taken as zero and weighted_z_sum is not computed (None).
-    ``config`` tiles both passes over the logits.
-    """
+
+def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, softcap=None, smoothing=False,
+                      config=None, combine_config=None):
+    """(lse, target_logit, weighted_z_sum or None) per row of stored raw logits [N, V], which stay as they are:
+    logit_partials, then combine_partials (cuda_stats_from_logits). ``config`` tiles the pass over the logits."""
     N, V = logits.shape
-    if logits.is_cuda:
-        major, minor = torch.cuda.get_device_capability(logits.device)
-        arch, dtype = major * 10 + minor, _DTYPES[logits.dtype]
-        cfg = config or configs.row_config(arch, dtype, "logit_partials")
-        combine_cfg = combine_config or configs.row_config(arch, dtype, "combine_partials")
-        fast_tanh = configs.fast_tanh(dtype)
-    else:  # the interpreter runs no inline PTX
-        cfg = config or configs.INTERPRETER_TILE
-        combine_cfg, fast_tanh = combine_config or configs.INTERPRETER_COMBINE, False
-    common = dict(logit_scale=float(logit_scale), softcap=float(softcap or 1.0), has_softcap=int(softcap is not None),
-                  has_smoothing=int(smoothing), FAST_TANH=fast_tanh)
-    cw = target if class_weight is None else class_weight  # never read without class weights
+    cfg = _config(_logit_partials, logits, config)
+    combine_cfg = _config(_combine_partials, logits, combine_config)
+    common = _transform_args(logits, logit_scale, softcap, smoothing)
     segments = triton.cdiv(V, cfg.block)
     partials = torch.empty(3, N, segments, dtype=torch.float32, device=logits.device)
-    logit_partials_kernel[(triton.cdiv(N, cfg.rows) * segments,)](
-        logits, cw, partials[0], partials[1], partials[2], N, V, logits.stride(0), segments,
-        has_class_weight=int(class_weight is not None), BLOCK_R=cfg.rows, BLOCK=cfg.block,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+    _launch(_logit_partials, (triton.cdiv(N, cfg.rows) * segments,),
+            dict(cw_ptr=_placeholder(target, class_weight), pm_ptr=partials[0], ps_ptr=partials[1],
+                 pw_ptr=partials[2], N=N, V=V, segments=segments, has_class_weight=int(class_weight is not None),
+                 **common),
+            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
-    combine_partials_kernel[(triton.cdiv(N, combine_cfg.rows),)](
-        partials[0], partials[1], partials[2], logits, target, stats[0], stats[1], stats[2], N, logits.stride(0),
-        segments, BLOCK_R=combine_cfg.rows, BLOCK=combine_cfg.block, num_warps=combine_cfg.num_warps, **common)
-    if write_grad:
-        grad_in_place(logits, target, stats[0], alpha, alpha_lse, beta, gamma, class_weight=class_weight,
-                      logit_scale=logit_scale, softcap=softcap, smoothing=smoothing, config=config)
+    common.pop("has_smoothing")
+    _launch(_combine_partials, (triton.cdiv(N, combine_cfg.rows),),
+            dict(pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], tgt_ptr=target, lse_ptr=stats[0],
+                 zt_ptr=stats[1], wz_ptr=stats[2], N=N, segments=segments, has_smoothing=int(smoothing), **common),
+            BLOCK_R=combine_cfg.rows, BLOCK=combine_cfg.block, FAST_TANH=_fast_tanh(logits),
+            num_warps=combine_cfg.num_warps)
     return stats[0], stats[1], stats[2] if smoothing else None
 
 
-def grad_in_place(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offset=0, class_weight=None,
-                  logit_scale=1.0, softcap=None, smoothing=False, config=None):
-    """softmax_grad_kernel alone: stored raw logits of columns [col_offset, col_offset + V) become their
-    gradient in place, given the rows' lse; ``class_weight`` is the slice's own ([V])."""
+def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offset=0, class_weight=None,
+                 logit_scale=1.0, softcap=None, smoothing=False, config=None):
+    """Stored raw logits of columns [col_offset, col_offset + V) become their gradient in place, given the rows'
+    lse (cuda_softmax_grad); ``class_weight`` is the slice's own ([V]). With ``smoothing`` False, gamma is taken
+    as zero."""
     N, V = logits.shape
-    if logits.is_cuda:
-        major, minor = torch.cuda.get_device_capability(logits.device)
-        cfg = config or configs.row_config(major * 10 + minor, _DTYPES[logits.dtype], "softmax_grad")
-        fast_tanh = configs.fast_tanh(_DTYPES[logits.dtype])
-    else:
-        cfg, fast_tanh = config or configs.INTERPRETER_TILE, False
+    cfg = _config(_softmax_grad, logits, config)
     segments = triton.cdiv(V, cfg.block)
-    softmax_grad_kernel[(triton.cdiv(N, cfg.rows) * segments,)](
-        logits, target if class_weight is None else class_weight, target, lse, alpha, alpha_lse, beta, gamma, N, V,
-        logits.stride(0), segments, col_offset, float(logit_scale), float(softcap or 1.0),
-        int(class_weight is not None), int(softcap is not None), int(smoothing), BLOCK_R=cfg.rows, BLOCK=cfg.block,
-        FAST_TANH=fast_tanh, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch(_softmax_grad, (triton.cdiv(N, cfg.rows) * segments,),
+            dict(cw_ptr=_placeholder(target, class_weight), tgt_ptr=target, lse_ptr=lse, alpha_ptr=alpha,
+                 alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, N=N, V=V, segments=segments,
+                 col_offset=col_offset, has_class_weight=int(class_weight is not None),
+                 **_transform_args(logits, logit_scale, softcap, smoothing)),
+            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     return logits
 
 
 def scale_(g, scale, *, config=None, programs=None):
     """g *= scale in place (g contiguous; scale a one-element float32 tensor); nothing when scale is 1."""
-    if g.is_cuda:
-        major, minor = torch.cuda.get_device_capability(g.device)
-        cfg = config or configs.row_config(major * 10 + minor, _DTYPES[g.dtype], "scale")
-        programs = programs or 4 * torch.cuda.get_device_properties(g.device).multi_processor_count
-    else:
-        cfg, programs = config or configs.INTERPRETER_ROW, programs or 4
+    cfg = _config(_scale, g, config)
+    if programs is None:
+        programs = 4 * torch.cuda.get_device_properties(g.device).multi_processor_count if g.is_cuda else 4
     grid = (max(1, min(triton.cdiv(g.numel(), cfg.block), programs)),)
-    scale_kernel[grid](g, scale, g.numel(), BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _launch(_scale, grid, dict(g_ptr=g, scale_ptr=scale, numel=g.numel()), BLOCK=cfg.block, num_warps=cfg.num_warps)
     return g
-
-
-def _single_program_config(t):
-    return configs.row_config(0, "fp32", "prepare_rows") if t.is_cuda else configs.INTERPRETER_ROW
 
 
 def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=0.0, z_loss=0.0, mean=True,
                  coefficients=False, config=None):
     """(target with -1 where ignored, target weight, totals [sum wt, #valid, sum cw], #bad, coefficients or None)."""
     N = target.shape[0]
-    cfg = config or _single_program_config(target)
+    cfg = _config(_prepare_rows, target, config)
     f32 = dict(dtype=torch.float32, device=target.device)
     tgt_out = torch.empty_like(target)
     wt = torch.empty(N, **f32)
     totals = torch.empty(3, **f32)
     bad = torch.empty(1, dtype=torch.int32, device=target.device)
     coef = torch.empty(4, N, **f32) if coefficients else torch.empty(4, 1, **f32)
-    prepare_rows_kernel[(1,)](
-        target, target if class_weight is None else class_weight, tgt_out, wt, totals, bad,
-        coef[0], coef[1], coef[2], coef[3], N, V, ignore_index, float(label_smoothing), float(z_loss),
-        int(class_weight is not None), int(mean), int(coefficients), BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _launch(_prepare_rows, (1,),
+            dict(tgt_ptr=target, cw_ptr=_placeholder(target, class_weight), tgt_out_ptr=tgt_out, wt_ptr=wt,
+                 totals_ptr=totals, bad_ptr=bad, alpha_ptr=coef[0], alpha_lse_ptr=coef[1], beta_ptr=coef[2],
+                 gamma_ptr=coef[3], N=N, V=V, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+                 z_loss=float(z_loss), has_class_weight=int(class_weight is not None), mean=int(mean),
+                 write_coefficients=int(coefficients)),
+            BLOCK=cfg.block, num_warps=cfg.num_warps)
     return tgt_out, wt, totals, int(bad.item()), (tuple(coef) if coefficients else None)
 
 
@@ -174,11 +190,13 @@ def assemble_loss(lse, target_logit, weighted_z_sum, target, wt, totals, V, *, l
                   reduction="mean", config=None):
     """The loss from row statistics (target: -1 where ignored; wt and totals from prepare_rows)."""
     N = lse.shape[0]
-    cfg = config or _single_program_config(lse)
+    cfg = _config(_assemble_loss, lse, config)
     code = {"none": 0, "mean": 1, "sum": 2}[reduction]
     loss = torch.empty(N if code == 0 else 1, dtype=torch.float32, device=lse.device)
     smoothing = weighted_z_sum is not None
-    assemble_loss_kernel[(1,)](
-        lse, target_logit, weighted_z_sum if smoothing else lse, target, wt, totals, loss, N, V,
-        float(label_smoothing), float(z_loss), int(smoothing), code, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _launch(_assemble_loss, (1,),
+            dict(lse_ptr=lse, zt_ptr=target_logit, wz_ptr=_placeholder(lse, weighted_z_sum), tgt_ptr=target,
+                 wt_ptr=wt, totals_ptr=totals, loss_ptr=loss, N=N, V=V, label_smoothing=float(label_smoothing),
+                 z_loss=float(z_loss), has_smoothing=int(smoothing), reduction=code),
+            BLOCK=cfg.block, num_warps=cfg.num_warps)
     return loss if code == 0 else loss[0]

@@ -16,6 +16,22 @@ import triton
 import triton.language as tl
 
 from .tile import logits_tile, tile_coords, transform_logits
+from .spec import XW_DIVISIBLE_BY_16, XW_PARAMS, XW_UNIT_STRIDE, KernelSpec
+
+SPEC = KernelSpec(
+    "logit_grad",
+    params=XW_PARAMS + (
+        ("lse_ptr", "*fp32"), ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"),
+        ("gamma_ptr", "*fp32"), ("g_ptr", "*T"),
+        ("N", "i64"), ("v_begin", "i64"), ("v_end", "i64"), ("D", "i64"),
+        ("stride_xn", "i64"), ("stride_xd", "i64"), ("stride_wv", "i64"), ("stride_wd", "i64"), ("stride_gn", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"),
+    ),
+    family="gemm",
+    divisible_by_16=XW_DIVISIBLE_BY_16 | {"g_ptr", "stride_gn"},
+    unit_stride=XW_UNIT_STRIDE,
+)
 
 
 @triton.jit

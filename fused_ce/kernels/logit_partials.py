@@ -12,12 +12,26 @@ import triton
 import triton.language as tl
 
 from .tile import load_logits
+from .spec import KernelSpec
+
+SPEC = KernelSpec(
+    "logit_partials",
+    params=(
+        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"),
+        ("N", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+    ),
+    family="tile",
+    # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (NOTES.md, step 14)
+    divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),
+)
 
 
 @triton.jit
 def logit_partials_kernel(
     logits_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr,
-    R, V, stride_ln, segments,
+    N, V, stride_ln, segments,
     logit_scale, softcap,
     has_class_weight, has_softcap, has_smoothing,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
@@ -26,7 +40,7 @@ def logit_partials_kernel(
     seg = pid % segments
     rows = (pid // segments).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = seg.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_mask = rows < R
+    row_mask = rows < N
     mask = row_mask[:, None] & (cols < V)[None, :]
     ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
     z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)

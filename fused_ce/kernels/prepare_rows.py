@@ -17,6 +17,7 @@ kernels for this bookkeeping (each one's first launch costs milliseconds).
 """
 import triton
 import triton.language as tl
+from .spec import KernelSpec
 
 
 @triton.jit
@@ -32,6 +33,20 @@ def _targets(tgt_ptr, cw_ptr, rows, N, V, ignore_index, has_class_weight):
     else:
         w = valid.to(tl.float32)
     return tl.where(valid, t, -1), w, valid, bad, in_range
+
+SPEC = KernelSpec(
+    "prepare_rows",
+    params=(
+        ("tgt_ptr", "*i64"), ("cw_ptr", "*fp32"), ("tgt_out_ptr", "*i64"), ("wt_ptr", "*fp32"),
+        ("totals_ptr", "*fp32"), ("bad_ptr", "*i32"),
+        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
+        ("N", "i64"), ("V", "i64"), ("ignore_index", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
+        ("has_class_weight", "i32"), ("mean", "i32"), ("write_coefficients", "i32"),
+    ),
+    family="rows",
+    dtypes=("fp32",),  # float32 and int64 arguments whatever the inputs
+    layouts=("general",),
+)
 
 
 @triton.jit

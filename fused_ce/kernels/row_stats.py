@@ -11,6 +11,22 @@ import triton
 import triton.language as tl
 
 from .tile import logits_tile, tile_coords, transform_logits
+from .spec import XW_DIVISIBLE_BY_16, XW_PARAMS, XW_UNIT_STRIDE, KernelSpec
+
+SPEC = KernelSpec(
+    "row_stats",
+    params=XW_PARAMS + (
+        ("m_ptr", "*fp32"), ("s_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
+        ("N", "i64"), ("V", "i64"), ("D", "i64"),
+        ("stride_xn", "i64"), ("stride_xd", "i64"), ("stride_wv", "i64"), ("stride_wd", "i64"),
+        ("cols_per_split", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+    ),
+    family="gemm",
+    divisible_by_16=XW_DIVISIBLE_BY_16,
+    unit_stride=XW_UNIT_STRIDE,
+)
 
 
 @triton.jit
@@ -21,7 +37,7 @@ def row_stats_kernel(
     stride_xn, stride_xd, stride_wv, stride_wd,
     cols_per_split,
     logit_scale, softcap,
-    has_bias, has_class_weight, has_softcap, need_wz,
+    has_bias, has_class_weight, has_softcap, has_smoothing,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -52,7 +68,7 @@ def row_stats_kernel(
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
         m = m_new
         zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
-        if need_wz:
+        if has_smoothing:
             zc = tl.where(col_mask[None, :], z, 0.0)
             if has_class_weight:
                 zc = zc * tl.load(cw_ptr + cols_in, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -62,5 +78,5 @@ def row_stats_kernel(
     tl.store(m_ptr + out, m, mask=row_mask)
     tl.store(s_ptr + out, s, mask=row_mask)
     tl.store(zt_ptr + out, zt, mask=row_mask)
-    if need_wz:
+    if has_smoothing:
         tl.store(wz_ptr + out, wz, mask=row_mask)

@@ -6,6 +6,14 @@ no pass over the gradients and no host synchronisation to find that out.
 """
 import triton
 import triton.language as tl
+from .spec import KernelSpec
+
+SPEC = KernelSpec(
+    "scale",
+    params=(("g_ptr", "*T"), ("scale_ptr", "*fp32"), ("numel", "i64")),
+    family="elementwise",
+    divisible_by_16=frozenset({"g_ptr", "numel"}),  # numel: the mask bound (see logit_partials.py)
+)
 
 
 @triton.jit

@@ -15,13 +15,27 @@ import triton
 import triton.language as tl
 
 from .tile import load_logits
+from .spec import KernelSpec
+
+SPEC = KernelSpec(
+    "softmax_grad",
+    params=(
+        ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("lse_ptr", "*fp32"),
+        ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
+        ("N", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"), ("col_offset", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+    ),
+    family="tile",
+    divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),  # V: see logit_partials.py
+)
 
 
 @triton.jit
 def softmax_grad_kernel(
     logits_ptr, cw_ptr, tgt_ptr, lse_ptr,
     alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr,
-    R, V, stride_ln, segments, col_offset,
+    N, V, stride_ln, segments, col_offset,
     logit_scale, softcap,
     has_class_weight, has_softcap, has_smoothing,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
@@ -30,7 +44,7 @@ def softmax_grad_kernel(
     seg = pid % segments
     rows = (pid // segments).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = seg.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_mask = rows < R
+    row_mask = rows < N
     col_mask = cols < V
     mask = row_mask[:, None] & col_mask[None, :]
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)

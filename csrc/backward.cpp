@@ -1,0 +1,66 @@
+// Pass::Backward: the gradients from blocks of recomputed logits (AtenChunks:
+// ATen in the loss dtype; DotTiles: the logit_grad kernel), multiplied back
+// through w and x by GEMMs.
+#include <algorithm>
+
+#include "aten_stages.h"
+#include "cuda_stages.h"
+#include "executors.h"
+
+namespace fused_ce {
+
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (out.scalar_type() == a.scalar_type()) {
+    if (accumulate) {
+      out.addmm_(a, b);
+    } else {
+      at::mm_out(out, a, b);
+    }
+  } else if (accumulate) {
+    out.add_(at::mm(a, b));
+  } else {
+    out.copy_(at::mm(a, b));
+  }
+}
+
+Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficients& c, GradMask need) {
+  const bool dot_tiles = plan.strategy == Strategy::DotTiles;
+  TORCH_CHECK(dot_tiles || plan.strategy == Strategy::AtenChunks,
+              "fused_ce: the backward has no executor for strategy ", strategy_name(plan.strategy));
+  const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
+  const auto opts = p.x.options();
+  const auto gemm_dtype = plan.logits_dtype;
+  Grads g;
+  if (need_x) g.input = at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
+  if (need_w) g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
+                                  : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
+  if (need_b) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
+  const at::Tensor x = p.x.to(gemm_dtype);
+  const at::Tensor w = p.w.to(gemm_dtype);
+  at::Tensor block_buffer;
+  if (dot_tiles) {
+    const int64_t ld = (plan.tile_cols + 63) / 64 * 64;  // aligned rows for the kernel's stores and for cuBLAS
+    block_buffer = at::empty({plan.block_rows, ld}, opts.dtype(gemm_dtype));
+  }
+  for (int64_t r0 = 0; r0 < p.N && (need_x || need_w || need_b); r0 += plan.block_rows) {
+    const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
+    const Problem pr = p.rows(r0, r1);
+    const GradCoefficients cr = c.rows(r0, r1);
+    for (int64_t v0 = 0; v0 < p.V; v0 += plan.tile_cols) {
+      const int64_t v1 = std::min(p.V, v0 + plan.tile_cols);
+      at::Tensor block;
+      if (dot_tiles) {
+        block = block_buffer.narrow(0, 0, r1 - r0).narrow(1, 0, v1 - v0);
+        cuda_logit_grad(pr, cr, v0, v1, block);
+      } else {
+        block = aten_logit_grad(pr, cr, v0, v1).to(gemm_dtype);
+      }
+      if (need_x) gemm_into(g.input.narrow(0, r0, r1 - r0), block, w.narrow(0, v0, v1 - v0), v0 > 0);
+      if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), x.narrow(0, r0, r1 - r0), r0 > 0);
+      if (need_b) g.bias.narrow(0, v0, v1 - v0).add_(block.sum(0, false, loss_dtype(p)));
+    }
+  }
+  return g;
+}
+
+}  // namespace fused_ce

@@ -1,0 +1,56 @@
+// The stages as embedded Triton kernels (fused_ce/kernels/, one file each),
+// launched on torch's current stream (cuda_driver.h). `smoothing` says whether
+// a stage computes label smoothing's terms (the weighted logit sums, the
+// gradient's gamma term).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "options.h"
+#include "problem.h"
+
+namespace fused_ce {
+
+// False where FUSED_CE_DISABLE_KERNELS is set (read once).
+bool cuda_kernels_disabled();
+// Whether every stage has an embedded cubin that fits p's device and dtype.
+bool cuda_kernels_available(const Problem& p);
+
+// Prologue (prepare_rows.py): from the raw int64 class indices `target` ([N],
+// contiguous), sets p.target (ignored rows -1), p.target_weight and p.totals,
+// and with `unit` the gradient coefficients of a scalar loss (mean or sum) for
+// an upstream gradient of 1. Returns the count of class indices outside
+// [0, V) that are not ignore_index ([1] int32 on the device; reading it syncs).
+at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit);
+// Epilogue (assemble_loss.py): the loss from the row stats of a problem that
+// cuda_prepare_rows prepared: [N] for 'none', [1] otherwise.
+at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOptions& o);
+
+// Row stats from tl.dot logit tiles reduced in registers (row_stats.py).
+RowStats cuda_row_stats(const Problem& p, bool smoothing);
+// Writes g (in the input dtype) for all rows of `p` and columns [v_begin, v_end)
+// into `out` ([N, >= v_end - v_begin], unit column stride), recomputing the
+// logits with tl.dot (logit_grad.py).
+void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
+                     const at::Tensor& out);
+
+// Over stored logits: `logits` holds the raw logits x @ w.T + b of all rows of
+// `p` ([N, V], input dtype, unit column stride).
+// cuda_stats_from_logits writes their row stats into `out` (contiguous [N]
+// float32 views) and leaves the logits as they are: logit_partials.py, then
+// combine_partials.py.
+void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out, bool smoothing);
+// cuda_softmax_grad overwrites them with g, given the rows' lse (c.lse unused);
+// `p` may be a vocabulary slice (Problem::cols) of the rows (softmax_grad.py).
+void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
+                       bool smoothing);
+// Device memory per row of a block of stored logits: the logits and the partials.
+int64_t cuda_logits_row_bytes(const Problem& p);
+
+// fused_ce::_scale_grad_: grad *= scale in place, for gradients computed in the
+// forward; on CUDA a kernel (scale.py) that reads scale on the device and
+// returns at once when it is 1, so `loss.backward()` costs no pass and no
+// synchronisation; elsewhere (CPU, no cubin, non-contiguous grad) a multiply.
+void scale_grad_(const at::Tensor& grad, const at::Tensor& scale);
+
+}  // namespace fused_ce

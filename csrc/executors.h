@@ -1,0 +1,46 @@
+// The executors: one per strategy of each pass (plan.h). Each carries out its
+// plan (block sizes, dtypes, where the smoothing terms come from) and decides
+// nothing of its own; the ops (loss.cpp) pick one by plan.strategy.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <utility>
+
+#include "options.h"
+#include "plan.h"
+#include "problem.h"
+
+namespace fused_ce {
+
+// Gradients of the 2-D problem ([N, D], [V, D], [V]), in the plan's
+// accumulation dtypes; undefined where not asked for.
+struct Grads {
+  at::Tensor input, weight, bias;
+};
+// Which gradients are asked for: input, linear_weight, linear_bias (only with a bias).
+using GradMask = std::array<bool, 3>;
+
+// forward.cpp: the row stats of every row (Pass::Forward).
+RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan);
+
+// backward.cpp: the gradients, recomputing the logits, for coefficients `c`
+// with c.lse set (Pass::Backward; AtenChunks, DotTiles).
+Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficients& c, GradMask need);
+
+// forward_with_grad.cpp: the row stats and the gradients of the scalar loss for
+// an upstream gradient of 1 (`unit`), from the same logits (Pass::ForwardWithGrad).
+std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions& o, const Plan& plan,
+                                             const GradCoefficients& unit, GradMask need);
+
+// Shared by the executors.
+RowStats empty_stats(const Problem& p);  // for N = 0
+// raw logits x @ w.T + b of the rows of `p` into `out` (cuBLAS)
+void logits_into(const Problem& p, at::Tensor& out);
+// Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass).
+RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows);
+// out (+)= a @ b, accumulating in out's dtype.
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate);
+
+}  // namespace fused_ce

@@ -1,0 +1,53 @@
+// Pass::Forward: the row stats by each strategy.
+#include <algorithm>
+
+#include "aten_stages.h"
+#include "cuda_stages.h"
+#include "executors.h"
+#include "loss_terms.h"
+
+namespace fused_ce {
+
+RowStats empty_stats(const Problem& p) {
+  const auto opts = p.x.options().dtype(loss_dtype(p));
+  return {at::empty({0}, opts), at::empty({0}, opts), at::empty({0}, opts)};
+}
+
+void logits_into(const Problem& p, at::Tensor& out) {
+  if (p.bias.defined()) {
+    at::addmm_out(out, p.bias, p.x, p.w.t());
+  } else {
+    at::mm_out(out, p.x, p.w.t());
+  }
+}
+
+RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows) {
+  const auto opts = p.x.options().dtype(at::kFloat);
+  const bool smoothing_in_kernel = o.smoothing() && !plan.rank_one_smoothing;
+  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts),
+             smoothing_in_kernel ? at::empty({p.N}, opts) : at::Tensor()};
+  if (plan.rank_one_smoothing) s.weighted_z_sum = weighted_z_sum(p, class_weighted_w(p));
+  at::Tensor buffer = at::empty({block_rows, p.V}, p.x.options());
+  for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
+    const int64_t r1 = std::min(p.N, r0 + block_rows);
+    at::Tensor logits = buffer.narrow(0, 0, r1 - r0);
+    const Problem pr = p.rows(r0, r1);
+    logits_into(pr, logits);
+    cuda_stats_from_logits(pr, logits, s.rows(r0, r1), smoothing_in_kernel);
+  }
+  return s;
+}
+
+RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan) {
+  if (p.N == 0) return empty_stats(p);
+  switch (plan.strategy) {
+    case Strategy::StoredLogits: return stats_from_stored_logits(p, o, plan, plan.block_rows);
+    case Strategy::DotTiles: return cuda_row_stats(p, o.smoothing());
+    case Strategy::AtenChunks: return aten_row_stats(p, o.smoothing(), plan.block_rows);
+    case Strategy::VocabTiles: break;
+  }
+  TORCH_CHECK(false, "fused_ce: the forward has no executor for strategy ", strategy_name(plan.strategy));
+  return {};
+}
+
+}  // namespace fused_ce

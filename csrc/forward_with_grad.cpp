@@ -1,0 +1,141 @@
+// Pass::ForwardWithGrad: the row stats and the gradients of a scalar loss from
+// one evaluation of the logits where the strategy allows (6NDV flops, not 8NDV).
+#include <algorithm>
+#include <tuple>
+
+#include "aten_stages.h"
+#include "cuda_stages.h"
+#include "executors.h"
+#include "loss_terms.h"
+
+namespace fused_ce {
+namespace {
+
+Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
+  const auto opts = p.x.options();
+  Grads g;
+  if (need[0]) g.input = at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
+  if (need[1]) g.weight = at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
+  if (need[2]) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
+  return g;
+}
+
+// Blocks of whole vocabulary rows (StoredLogits, AtenChunks): each row's
+// gradient is final once its block is done, so dX is written once; dW
+// accumulates over blocks in the plan's dtype.
+std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, const Plan& plan,
+                                      const GradCoefficients& c, GradMask need) {
+  const bool stored_logits = plan.strategy == Strategy::StoredLogits;
+  const auto dtype = loss_dtype(p);
+  const auto gemm_dtype = plan.logits_dtype;
+  Grads g = allocate_grads(p, plan, need);
+  if (need[1] && p.N == 0) g.weight.zero_();
+  // With rank-one smoothing the kernel leaves out its terms:
+  // dX -= logit_scale * gamma (x) u, dW -= logit_scale * cw (x) (x.T @ gamma),
+  // db -= logit_scale * cw * sum(gamma), and the weighted logit sums come from u.
+  const bool rank_one = plan.rank_one_smoothing;
+  const bool smoothing_in_kernel = o.smoothing() && !rank_one;
+  RowStats s = empty_stats(p);
+  if (p.N > 0) {
+    const auto sopts = p.x.options().dtype(dtype);
+    s = {at::empty({p.N}, sopts), at::empty({p.N}, sopts),
+         smoothing_in_kernel ? at::empty({p.N}, sopts) : at::Tensor()};
+  }
+  const at::Tensor x = p.x.to(gemm_dtype);
+  const at::Tensor w = p.w.to(gemm_dtype);
+  at::Tensor u, neg_gamma;
+  if (rank_one) {
+    u = class_weighted_w(p);
+    neg_gamma = c.gamma * -p.logit_scale;  // [N] float32
+    s.weighted_z_sum = weighted_z_sum(p, u);
+    if (need[1]) g.weight = at::outer(p.class_weight.to(gemm_dtype), at::mv(x.t(), neg_gamma.to(gemm_dtype)));
+    if (need[2]) g.bias.add_(p.class_weight * neg_gamma.sum());
+  }
+  const int64_t rows = plan.block_rows;
+  at::Tensor logits_buffer = stored_logits ? at::empty({rows, p.V}, p.x.options().dtype(gemm_dtype)) : at::Tensor();
+  for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
+    const int64_t r1 = std::min(p.N, r0 + rows);
+    const Problem pr = p.rows(r0, r1);
+    const GradCoefficients cr = c.rows(r0, r1);
+    const RowStats block_stats = s.rows(r0, r1);
+    at::Tensor block;
+    if (stored_logits) {
+      block = logits_buffer.narrow(0, 0, r1 - r0);
+      logits_into(pr, block);
+      cuda_stats_from_logits(pr, block, block_stats, smoothing_in_kernel);
+      cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
+    } else {
+      RowStats part;
+      std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, smoothing_in_kernel);
+      block = block.to(gemm_dtype);
+      block_stats.lse.copy_(part.lse);
+      block_stats.target_logit.copy_(part.target_logit);
+      if (smoothing_in_kernel) block_stats.weighted_z_sum.copy_(part.weighted_z_sum);
+    }
+    if (need[0]) {
+      at::Tensor gx = g.input.narrow(0, r0, r1 - r0);
+      if (rank_one) {
+        at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), block, w);
+      } else {
+        gemm_into(gx, block, w, /*accumulate=*/false);
+      }
+    }
+    if (need[1]) gemm_into(g.weight, block.t(), x.narrow(0, r0, r1 - r0), r0 > 0 || rank_one);
+    if (need[2]) g.bias.add_(block.sum(0, false, dtype));
+  }
+  return {s, g};
+}
+
+// VocabTiles: the row stats from blocks of whole rows as in the loss-only
+// forward, then per 2-D tile the logits again, their gradient in place and its
+// products with W and X.
+std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
+                                       const GradCoefficients& c, GradMask need) {
+  const RowStats s = stats_from_stored_logits(p, o, plan, plan.stats_block_rows);
+  const int64_t rows = plan.block_rows, cols = plan.tile_cols;
+  Grads g = allocate_grads(p, plan, need);
+  const at::Tensor buffer = at::empty({rows * cols}, p.x.options());
+  for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
+    const int64_t r1 = std::min(p.N, r0 + rows);
+    const Problem pr = p.rows(r0, r1);
+    const GradCoefficients cr = c.rows(r0, r1);
+    const at::Tensor lse = s.lse.narrow(0, r0, r1 - r0);
+    for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
+      const int64_t v1 = std::min(p.V, v0 + cols);
+      const Problem pt = pr.cols(v0, v1);
+      at::Tensor block = buffer.narrow(0, 0, pt.N * pt.V).view({pt.N, pt.V});  // contiguous, also the last slice
+      logits_into(pt, block);
+      cuda_softmax_grad(pt, cr, lse, block, o.smoothing());
+      if (need[0]) gemm_into(g.input.narrow(0, r0, r1 - r0), block, pt.w, v0 > 0);
+      if (need[1]) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), pr.x, r0 > 0);
+      if (need[2]) g.bias.narrow(0, v0, v1 - v0).add_(block.sum(0, false, loss_dtype(p)));
+    }
+  }
+  return {s, g};
+}
+
+// DotTiles (float16): the loss-only forward's tl.dot row stats, then the
+// recomputing backward's blocks, on the rows prepared once.
+std::pair<RowStats, Grads> dot_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
+                                     const GradCoefficients& c, GradMask need) {
+  const RowStats s = cuda_row_stats(p, o.smoothing());
+  GradCoefficients with_lse = c;
+  with_lse.lse = s.lse;
+  return {s, recomputed_grads(p, plan, with_lse, need)};
+}
+
+}  // namespace
+
+std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions& o, const Plan& plan,
+                                             const GradCoefficients& unit, GradMask need) {
+  need[2] = need[2] && p.bias.defined();
+  switch (plan.strategy) {
+    case Strategy::StoredLogits:
+    case Strategy::AtenChunks: return row_blocks(p, o, plan, unit, need);
+    case Strategy::VocabTiles: return vocab_tiles(p, o, plan, unit, need);
+    case Strategy::DotTiles: return dot_tiles(p, o, plan, unit, need);
+  }
+  return {};
+}
+
+}  // namespace fused_ce

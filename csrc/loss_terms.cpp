@@ -1,0 +1,92 @@
+#include "loss_terms.h"
+
+#include "cuda_stages.h"
+
+namespace fused_ce {
+namespace {
+
+// Per-row validity and target class weight, in the loss dtype.
+std::pair<at::Tensor, at::Tensor> row_weights(const Problem& p) {
+  const auto dtype = loss_dtype(p);
+  const at::Tensor valid = p.target.ge(0).to(dtype);
+  if (!p.class_weight.defined()) return {valid, valid};
+  return {valid, p.class_weight.to(dtype).index_select(0, p.target.clamp_min(0)) * valid};
+}
+
+at::Tensor class_weight_sum(const Problem& p) {
+  return p.class_weight.defined() ? p.class_weight.sum().to(loss_dtype(p))
+                                  : at::scalar_tensor(static_cast<double>(p.V), p.x.options().dtype(loss_dtype(p)));
+}
+
+at::Tensor safe_reciprocal(const at::Tensor& s) {
+  return at::where(s.gt(0), s.reciprocal(), at::zeros_like(s));
+}
+
+}  // namespace
+
+at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const Plan& plan, const RowStats& s,
+                         at::IntArrayRef target_shape) {
+  if (plan.rows_on_device) {
+    const at::Tensor loss = cuda_assemble_loss(p, s, o);
+    return o.scalar() ? loss.reshape({}) : loss.reshape(target_shape);
+  }
+  const auto [valid, wt] = row_weights(p);
+  const double eps = o.label_smoothing;
+  at::Tensor loss = (1.0 - eps) * wt * (s.lse - s.target_logit);
+  if (o.smoothing()) {
+    loss = loss + (eps / p.V) * valid * (class_weight_sum(p) * s.lse - s.weighted_z_sum);
+  }
+  const at::Tensor z_term = o.z_loss > 0.0 ? o.z_loss * valid * s.lse.square() : at::Tensor();
+  switch (o.reduction) {
+    case Reduction::None:
+      if (z_term.defined()) loss = loss + z_term;
+      return loss.reshape(target_shape);
+    case Reduction::Sum:
+      loss = loss.sum();
+      return z_term.defined() ? loss + z_term.sum() : loss;
+    case Reduction::Mean:  // like torch: weighted mean, NaN when nothing is counted
+      loss = loss.sum() / wt.sum();
+      return z_term.defined() ? loss + z_term.sum() / valid.sum() : loss;
+  }
+  return loss;
+}
+
+GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const at::Tensor& grad_loss,
+                                   const std::optional<at::Tensor>& grad_lse) {
+  const auto dtype = loss_dtype(p);
+  const auto [valid, wt] = row_weights(p);
+  const double eps = o.label_smoothing;
+  at::Tensor g_ce, g_z;
+  if (o.reduction == Reduction::None) {
+    g_ce = g_z = grad_loss.reshape({p.N}).to(dtype);
+  } else {
+    const at::Tensor g = grad_loss.to(dtype).reshape({});
+    g_ce = o.reduction == Reduction::Mean ? g * safe_reciprocal(wt.sum()) : g;
+    g_z = o.reduction == Reduction::Mean ? g * safe_reciprocal(valid.sum()) : g;
+  }
+  const auto per_row = [&](const at::Tensor& t) { return t.expand({p.N}).contiguous(); };
+  at::Tensor alpha = g_ce * ((1.0 - eps) * wt + (eps / p.V) * class_weight_sum(p) * valid);
+  if (grad_lse && grad_lse->defined()) alpha = alpha + grad_lse->reshape({p.N}).to(dtype);
+  GradCoefficients c;
+  c.alpha = per_row(alpha);
+  c.alpha_lse = per_row((2.0 * o.z_loss) * g_z * valid);
+  c.beta = per_row(g_ce * (1.0 - eps) * wt);
+  c.gamma = per_row(g_ce * (eps / p.V) * valid);
+  return c;
+}
+
+GradCoefficients unit_grad_coefficients(const Problem& p, const LossOptions& o) {
+  return grad_coefficients(p, o, at::ones({}, p.x.options().dtype(loss_dtype(p))), std::nullopt);
+}
+
+at::Tensor class_weighted_w(const Problem& p) {
+  return at::mv(p.w.t(), p.class_weight.to(p.w.scalar_type()));
+}
+
+at::Tensor weighted_z_sum(const Problem& p, const at::Tensor& u) {
+  at::Tensor wz = at::mv(p.x, u).to(at::kFloat);
+  if (p.bias.defined()) wz.add_((p.bias.to(at::kFloat) * p.class_weight).sum());
+  return wz.mul_(p.logit_scale);
+}
+
+}  // namespace fused_ce

@@ -1,0 +1,200 @@
+#include "plan.h"
+
+#include <algorithm>
+#include <string>
+
+#include "cuda_driver.h"
+#include "cuda_stages.h"
+#include "format.h"
+#include "kernel_table.h"
+
+namespace fused_ce {
+namespace {
+
+// 2048 rows of logits at V = 128256 (1024 at V = 256000) in bf16, so that the
+// whole workspace stays under 0.5 GiB.
+constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
+constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The plan's per-architecture constants (configs.py, ARCH_CONSTANTS, embedded
+// by the build): the device's entry, else the default (arch 0).
+const ArchConstants& arch_constants(int arch) {
+  const ArchConstants* fallback = nullptr;
+  for (int i = 0; i < kNumArchConstants; ++i) {
+    if (kArchConstants[i].arch == arch) return kArchConstants[i];
+    if (kArchConstants[i].arch == 0) fallback = &kArchConstants[i];
+  }
+  TORCH_CHECK(fallback != nullptr, "fused_ce: the build embedded no plan constants");
+  return *fallback;
+}
+
+bool kernels_usable(const Problem& p) {
+  if (!p.x.is_cuda() || p.N == 0) return false;
+  if (cuda_kernels_available(p)) return true;
+  const auto dtype = p.x.scalar_type();
+  const bool kernel_dtype = dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
+  if (kernel_dtype && !cuda_kernels_disabled()) {
+    TORCH_WARN_ONCE("fused_ce: this build has no kernel for sm_", num(device_arch(p.x.device().index())),
+                    "; using the slower chunked ATen path on CUDA. Rebuild with this architecture in "
+                    "FUSED_CE_CUDA_ARCHS (see fused_ce.cuda_archs()).");
+  }
+  return false;
+}
+
+// The rows per block actually used: at most `capacity`, in whole GEMM tiles,
+// and balanced so that the last block is not a short tail (a thin block runs
+// its GEMMs below their rate).
+int64_t balanced_block_rows(int64_t N, int64_t capacity, int64_t tile_rows) {
+  if (capacity >= N) return std::max<int64_t>(N, 1);
+  const int64_t quantum = capacity >= tile_rows ? tile_rows : 1;
+  const int64_t limit = capacity / quantum * quantum;
+  const int64_t rows = cdiv(N, cdiv(N, limit));
+  return cdiv(rows, quantum) * quantum;  // <= limit
+}
+
+// Rows of stored logits that fit in the budget; 0 for float16, whose stored
+// logits could overflow.
+int64_t stored_logits_rows(const Problem& p, int64_t budget) {
+  if (p.x.scalar_type() == at::kHalf) return 0;
+  return std::clamp<int64_t>(budget / cuda_logits_row_bytes(p), 1, std::max<int64_t>(p.N, 1));
+}
+
+// Blocks of whole vocabulary rows re-read and re-write dW once per block beyond
+// the first. Where that traffic would cost more than one more GEMM pass over
+// N x D x V, as in lean workspaces, the gradients come from 2-D tiles instead
+// (Strategy::VocabTiles). Returns the tiles' width, 0 for row blocks.
+// Measured at 64 MiB (benchmarks/NOTES.md, step 14): tiles win at B (128-row
+// blocks) by a third, lose at A and C (256-row blocks) by ~3%; the threshold
+// is not tuned yet.
+int64_t vocab_tile_cols(const Problem& p, const ArchConstants& arch, int64_t budget, int64_t block_rows) {
+  const int64_t elem = c10::elementSize(p.x.scalar_type());
+  const int64_t blocks = cdiv(p.N, block_rows);
+  const double dw_traffic_s = static_cast<double>(blocks - 1) * 2.0 * p.V * p.D * elem / arch.memory_bytes_per_s;
+  const double gemm_pass_s = 2.0 * p.N * p.D * p.V / arch.gemm_flops_per_s;
+  if (dw_traffic_s <= gemm_pass_s) return 0;
+  const int64_t cols = budget / (std::min<int64_t>(p.N, arch.vocab_tile_rows) * elem) / arch.gemm_tile_rows *
+                       arch.gemm_tile_rows;
+  return cols >= 4 * arch.gemm_tile_rows && cols < p.V ? cols : 0;
+}
+
+at::ScalarType accumulate_dtype(at::ScalarType dtype, int64_t blocks) {
+  return blocks > 1 ? at::promote_types(dtype, at::kFloat) : dtype;
+}
+
+// ATen: whole vocabulary rows in the loss dtype, as many rows as fit.
+void plan_aten_chunks(Plan& plan, const Problem& p) {
+  plan.strategy = Strategy::AtenChunks;
+  plan.logits_dtype = loss_dtype(p);
+  const int64_t row_bytes = p.V * int64_t{c10::elementSize(plan.logits_dtype)};
+  plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / row_bytes, 1, std::max<int64_t>(p.N, 1));
+  plan.tile_cols = p.V;
+  if (plan.pass != Pass::Forward) {
+    plan.grad_input_dtype = plan.logits_dtype;
+    // one block along the reduced dimension, or float32 already
+    plan.grad_weight_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.N, plan.block_rows));
+  }
+  plan.workspace_bytes = std::min(plan.block_rows, p.N) * row_bytes;
+}
+
+// tl.dot gradient blocks of the recomputing backward: all rows at once and a
+// slice of the vocabulary per block where the budget allows, so that each
+// slice's weight gradient is one exact GEMM over every row.
+void plan_dot_tile_grads(Plan& plan, const Problem& p) {
+  const int64_t elem = c10::elementSize(p.x.scalar_type());
+  constexpr int64_t quantum = 256;
+  const int64_t cols = std::max<int64_t>(quantum, plan.budget_bytes / std::max<int64_t>(1, p.N * elem) / quantum *
+                                                       quantum);
+  plan.tile_cols = std::min(cols, p.V);
+  plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / (plan.tile_cols * elem), 1, p.N);
+  plan.grad_input_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.V, plan.tile_cols));
+  plan.grad_weight_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.N, plan.block_rows));
+  const int64_t ld = cdiv(plan.tile_cols, 64) * 64;  // aligned rows for the kernel's stores and for cuBLAS
+  plan.workspace_bytes = plan.block_rows * ld * elem;
+}
+
+void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
+  const ArchConstants& arch = arch_constants(device_arch(p.x.device().index()));
+  plan.rows_on_device = true;
+  plan.logits_dtype = p.x.scalar_type();
+  const int64_t capacity = stored_logits_rows(p, plan.budget_bytes);
+  const int64_t row_bytes = cuda_logits_row_bytes(p);
+  const bool rank_one = o.smoothing() && p.class_weight.defined() && !p.softcap.has_value();
+  if (plan.pass == Pass::Backward || (plan.pass == Pass::ForwardWithGrad && capacity == 0)) {
+    // The forward with gradient of float16: the loss-only forward's tl.dot row
+    // stats, then this, on the same prepared rows.
+    plan.strategy = Strategy::DotTiles;
+    plan_dot_tile_grads(plan, p);
+    return;
+  }
+  if (plan.pass == Pass::Forward) {
+    if (capacity >= arch.min_stored_rows || capacity == p.N) {
+      plan.strategy = Strategy::StoredLogits;
+      plan.block_rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
+      plan.tile_cols = p.V;
+      plan.rank_one_smoothing = rank_one;
+      plan.workspace_bytes = plan.block_rows * row_bytes;
+    } else {  // no room for cuBLAS-sized blocks: tl.dot tiles reduced in registers
+      plan.strategy = Strategy::DotTiles;
+      plan.block_rows = p.N;
+      plan.tile_cols = p.V;
+    }
+    return;
+  }
+  const int64_t rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
+  const int64_t cols = vocab_tile_cols(p, arch, plan.budget_bytes, rows);
+  plan.rank_one_smoothing = rank_one;
+  // dX and dW accumulate in the input dtype, as cuBLAS's addmm does, to stay
+  // within the workspace.
+  plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
+  if (cols > 0) {
+    plan.strategy = Strategy::VocabTiles;
+    plan.stats_block_rows = rows;
+    plan.block_rows = balanced_block_rows(p.N, std::min<int64_t>(p.N, arch.vocab_tile_rows), arch.gemm_tile_rows);
+    plan.tile_cols = cols;
+    plan.workspace_bytes = std::max(rows * row_bytes, plan.block_rows * cols * int64_t{c10::elementSize(p.x.scalar_type())});
+  } else {
+    plan.strategy = Strategy::StoredLogits;
+    plan.block_rows = rows;
+    plan.tile_cols = p.V;
+    plan.workspace_bytes = rows * row_bytes;
+  }
+}
+
+}  // namespace
+
+Plan make_plan(const Problem& p, const LossOptions& o, Pass pass) {
+  TORCH_CHECK(pass != Pass::ForwardWithGrad || o.scalar(),
+              "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
+  Plan plan;
+  plan.pass = pass;
+  plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
+  if (kernels_usable(p)) {
+    plan_kernels(plan, p, o);
+  } else {
+    plan_aten_chunks(plan, p);
+  }
+  return plan;
+}
+
+const char* strategy_name(Strategy s) {
+  switch (s) {
+    case Strategy::AtenChunks: return "aten_chunks";
+    case Strategy::StoredLogits: return "stored_logits";
+    case Strategy::DotTiles: return "dot_tiles";
+    case Strategy::VocabTiles: return "vocab_tiles";
+  }
+  return "?";
+}
+
+Pass parse_pass(c10::string_view name) {
+  if (name == "forward") return Pass::Forward;
+  if (name == "backward") return Pass::Backward;
+  if (name == "forward_with_grad") return Pass::ForwardWithGrad;
+  TORCH_CHECK(false, "fused_ce: pass must be 'forward', 'backward' or 'forward_with_grad', got '", std::string(name),
+              "'");
+  return Pass::Forward;
+}
+
+}  // namespace fused_ce

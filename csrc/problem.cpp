@@ -1,0 +1,132 @@
+#include "problem.h"
+
+#include <algorithm>
+
+#include "cuda_stages.h"
+#include "format.h"
+#include "loss_terms.h"
+#include "plan.h"
+
+namespace fused_ce {
+
+Problem Problem::rows(int64_t begin, int64_t end) const {
+  Problem p = *this;
+  p.x = x.narrow(0, begin, end - begin);
+  p.target = target.narrow(0, begin, end - begin);
+  if (target_weight.defined()) p.target_weight = target_weight.narrow(0, begin, end - begin);
+  p.N = end - begin;
+  return p;
+}
+
+namespace {
+
+at::Tensor slice(const at::Tensor& t, int64_t begin, int64_t end) {
+  return t.defined() ? t.narrow(0, begin, end - begin) : t;
+}
+
+}  // namespace
+
+Problem Problem::cols(int64_t begin, int64_t end) const {
+  Problem p = *this;
+  p.w = slice(w, begin, end);
+  p.bias = slice(bias, begin, end);
+  p.class_weight = slice(class_weight, begin, end);
+  p.V = end - begin;
+  p.col_offset = col_offset + begin;
+  return p;
+}
+
+GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
+  return {slice(lse, begin, end), slice(alpha, begin, end), slice(alpha_lse, begin, end), slice(beta, begin, end),
+          slice(gamma, begin, end)};
+}
+
+RowStats RowStats::rows(int64_t begin, int64_t end) const {
+  return {slice(lse, begin, end), slice(target_logit, begin, end), slice(weighted_z_sum, begin, end)};
+}
+
+at::ScalarType loss_dtype(const Problem& p) {
+  return p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                     const LossOptions& o) {
+  TORCH_CHECK(input.dim() >= 1, "linear_cross_entropy: input must have at least one dimension [..., D]");
+  TORCH_CHECK(linear_weight.dim() == 2, "linear_cross_entropy: linear_weight must be 2-D [V, D], got shape ",
+              shape(linear_weight.sizes()));
+  const int64_t D = input.size(-1);
+  const int64_t V = linear_weight.size(0);
+  TORCH_CHECK(linear_weight.size(1) == D, "linear_cross_entropy: linear_weight has ", num(linear_weight.size(1)),
+              " features but input has ", num(D));
+  TORCH_CHECK(V > 0, "linear_cross_entropy: linear_weight must have at least one class (row)");
+  const auto dtype = input.scalar_type();
+  TORCH_CHECK(at::isFloatingType(dtype) && dtype != at::kFloat8_e4m3fn,
+              "linear_cross_entropy: input must be a floating-point tensor, got ", name(dtype));
+  TORCH_CHECK(linear_weight.scalar_type() == dtype, "linear_cross_entropy: linear_weight dtype ",
+              name(linear_weight.scalar_type()), " does not match input dtype ", name(dtype));
+  TORCH_CHECK(linear_weight.device() == input.device(), "linear_cross_entropy: linear_weight is on ",
+              linear_weight.device().str(), " but input is on ", input.device().str());
+  TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
+              "linear_cross_entropy: target must hold class indices (int64 or int32); class-probability targets "
+              "are not supported");
+  TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
+              "linear_cross_entropy: target must be int64 or int32, got ", name(target.scalar_type()));
+  TORCH_CHECK(target.device() == input.device(), "linear_cross_entropy: target is on ", target.device().str(),
+              " but input is on ", input.device().str());
+  const auto batch = input.sizes().slice(0, input.dim() - 1);
+  TORCH_CHECK(target.sizes() == batch, "linear_cross_entropy: target shape ", shape(target.sizes()),
+              " must equal input shape without its last dimension ", shape(batch));
+
+  Problem p;
+  p.N = D == 0 ? target.numel() : input.numel() / D;
+  p.V = V;
+  p.D = D;
+  p.x = input.reshape({p.N, D});
+  p.w = linear_weight;
+  p.logit_scale = o.logit_scale;
+  p.softcap = o.softcap;
+  if (linear_bias && linear_bias->defined()) {
+    const at::Tensor& b = *linear_bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == V, "linear_cross_entropy: linear_bias must have shape [", num(V),
+                "], got ", shape(b.sizes()));
+    TORCH_CHECK(b.scalar_type() == dtype, "linear_cross_entropy: linear_bias dtype ", name(b.scalar_type()),
+                " does not match input dtype ", name(dtype));
+    TORCH_CHECK(b.device() == input.device(), "linear_cross_entropy: linear_bias is on ", b.device().str(),
+                " but input is on ", input.device().str());
+    p.bias = b.contiguous();
+  }
+  if (weight && weight->defined()) {
+    const at::Tensor& cw = *weight;
+    TORCH_CHECK(cw.dim() == 1 && cw.size(0) == V, "linear_cross_entropy: weight (class weights) must have shape [",
+                num(V), "], got ", shape(cw.sizes()));
+    TORCH_CHECK(at::isFloatingType(cw.scalar_type()),
+                "linear_cross_entropy: weight (class weights) must be floating point, got ", name(cw.scalar_type()));
+    TORCH_CHECK(cw.device() == input.device(), "linear_cross_entropy: weight (class weights) is on ",
+                cw.device().str(), " but input is on ", input.device().str());
+    p.class_weight = cw.to(loss_dtype(p)).contiguous();
+  }
+  p.target = target.reshape({p.N}).to(at::kLong).contiguous();
+  return p;
+}
+
+void prepare_targets(Problem& p, const LossOptions& o, const Plan& plan, bool check, GradCoefficients* unit) {
+  const at::Tensor t = p.target;
+  const auto bad_targets_error = [&] {
+    TORCH_CHECK(false, "linear_cross_entropy: target holds class indices outside [0, ", num(p.V),
+                ") that are not ignore_index (", num(o.ignore_index), ")");
+  };
+  if (plan.rows_on_device) {
+    const at::Tensor bad = cuda_prepare_rows(p, t, o, unit);
+    if (check && bad.item<int>() != 0) bad_targets_error();
+    return;
+  }
+  const at::Tensor ignored = t.eq(o.ignore_index);
+  if (check && p.N > 0) {
+    if (ignored.logical_not().logical_and_(t.lt(0).logical_or_(t.ge(p.V))).any().item<bool>()) bad_targets_error();
+  }
+  p.target = at::where(ignored, -1, t).contiguous();
+  if (unit != nullptr) *unit = unit_grad_coefficients(p, o);
+}
+
+}  // namespace fused_ce

@@ -1,0 +1,44 @@
+"""What the build and the launchers know of a kernel, declared beside its ``@triton.jit`` as ``SPEC``.
+
+Pure data (no triton import). The AOT build (fused_ce/_build/aot.py) compiles each
+variant from it and writes the launch parameters into the library's kernel table,
+which csrc/cuda_stages.cpp is checked against at every launch; the JIT launchers
+(jit.py) pass arguments by these names; configs.py gives each family its tiles.
+"""
+from dataclasses import dataclass
+
+DTYPES = ("bf16", "fp16", "fp32")
+# "aligned": the parameters in ``divisible_by_16`` are multiples of 16 (pointers: 16-byte aligned) and
+# those in ``unit_stride`` are 1 (compiled in as constants); the launcher checks both on the actual tensors.
+# "general": anything else.
+LAYOUTS = ("aligned", "general")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    # Launch parameters in the kernel's order, with their triton types; "T" stands for the input dtype.
+    # The kernel's remaining parameters are its constexprs.
+    params: tuple
+    # Configuration family in configs.py: "gemm" (tl.dot tiles), "tile" (tiles of stored logits), "combine",
+    # "elementwise", "rows" (one program over all rows).
+    family: str
+    divisible_by_16: frozenset = frozenset()
+    unit_stride: frozenset = frozenset()
+    dtypes: tuple = DTYPES  # ("fp32",) where the arguments do not depend on the input dtype
+    layouts: tuple = LAYOUTS  # ("general",) where aligned accesses gain nothing
+
+    def variants(self):
+        """The (dtype, layout) variants the build compiles."""
+        return [(dtype, layout) for dtype in self.dtypes for layout in self.layouts]
+
+    def param_names(self):
+        return [name for name, _ in self.params]
+
+
+# x and w of the tl.dot kernels in the aligned layout.
+XW_DIVISIBLE_BY_16 = frozenset({"x_ptr", "w_ptr", "D", "stride_xn", "stride_wv"})
+XW_UNIT_STRIDE = frozenset({"stride_xd", "stride_wd"})
+XW_PARAMS = (
+    ("x_ptr", "*T"), ("w_ptr", "*T"), ("b_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"),
+)

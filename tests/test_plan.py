@@ -1,0 +1,122 @@
+"""The plan (csrc/plan.cpp) decides what each call does; these tests assert it directly.
+
+Plans depend on shapes, dtypes, strides and the device, not on values, so the big
+shapes are expanded one-element tensors.
+"""
+import pytest
+import torch
+
+import fused_ce
+
+A, B, C = (16384, 4096, 128256), (8192, 2304, 256000), (4096, 4096, 128256)
+MiB = 1 << 20
+
+
+def expanded(N, D, V, dtype=torch.float32, device="cpu", grad=False):
+    x = torch.empty(1, 1, dtype=dtype, device=device).expand(N, D)
+    w = torch.empty(1, 1, dtype=dtype, device=device).expand(V, D)
+    t = torch.zeros(1, dtype=torch.long, device=device).expand(N)
+    if grad:
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    return x, w, t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("pass_", ["forward", "backward", "forward_with_grad"])
+def test_cpu_takes_aten_chunks_within_budget(dtype, pass_):
+    N, D, V = 5000, 64, 3000
+    plan = fused_ce.plan(*expanded(N, D, V, dtype), pass_=pass_)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    assert plan.pass_ == pass_ and plan.strategy == "aten_chunks"
+    assert plan.budget_bytes == 32 * MiB and not plan.rows_on_device and not plan.rank_one_smoothing
+    assert plan.logits_dtype == compute
+    assert plan.block_rows == min(N, 32 * MiB // (V * compute.itemsize)) and plan.tile_cols == V
+    assert plan.workspace_bytes == plan.block_rows * V * compute.itemsize <= plan.budget_bytes
+    if pass_ == "forward":
+        assert plan.grad_input_dtype is None and plan.grad_weight_dtype is None
+    else:
+        assert plan.grad_input_dtype == compute and plan.grad_weight_dtype == compute
+
+
+def test_budget_bounds_the_blocks():
+    x, w, t = expanded(1000, 32, 5000)
+    plan = fused_ce.plan(x, w, t, workspace_bytes=5000 * 4 * 7)
+    assert plan.block_rows == 7 and plan.workspace_bytes == 7 * 5000 * 4
+    assert fused_ce.plan(x, w, t, workspace_bytes=1).block_rows == 1  # at least one row
+
+
+def test_pass_follows_the_call():
+    x, w, t = expanded(64, 16, 100, grad=True)
+    assert fused_ce.plan(x, w, t).pass_ == "forward_with_grad"
+    assert fused_ce.plan(x, w, t, reduction="none").pass_ == "forward"
+    with torch.no_grad():
+        assert fused_ce.plan(x, w, t).pass_ == "forward"
+    assert fused_ce.plan(x.detach(), w.detach(), t).pass_ == "forward"
+
+
+def test_plan_checks_its_arguments():
+    x, w, t = expanded(64, 16, 100)
+    with pytest.raises(RuntimeError, match="reduction must be 'mean' or 'sum'"):
+        fused_ce.plan(x, w, t, reduction="none", pass_="forward_with_grad")
+    with pytest.raises(RuntimeError, match="pass must be"):
+        fused_ce.plan(x, w, t, pass_="sideways")
+    with pytest.raises(RuntimeError, match="linear_weight has 17 features"):
+        fused_ce.plan(x, torch.empty(100, 17), t)
+
+
+# ---- CUDA: the strategies of the embedded kernels ----
+
+cuda = pytest.mark.cuda
+
+
+@cuda
+@pytest.mark.parametrize("shape, rows", [(A, 2048), (B, 1024), (C, 2048)])
+def test_default_bf16_training_stores_logits(shape, rows):
+    plan = fused_ce.plan(*expanded(*shape, torch.bfloat16, "cuda", grad=True))
+    assert (plan.pass_, plan.strategy, plan.block_rows, plan.tile_cols) == ("forward_with_grad", "stored_logits",
+                                                                            rows, shape[2])
+    assert plan.logits_dtype == plan.grad_input_dtype == plan.grad_weight_dtype == torch.bfloat16
+    assert plan.rows_on_device and plan.budget_bytes == 504 * MiB
+    assert plan.workspace_bytes <= plan.budget_bytes
+
+
+@cuda
+def test_float16_takes_dot_tiles():
+    # stored float16 logits could overflow: tl.dot tiles with float32 accumulators instead
+    x, w, t = expanded(*C, torch.float16, "cuda", grad=True)
+    for pass_ in ("forward", "forward_with_grad", "backward"):
+        plan = fused_ce.plan(x, w, t, pass_=pass_)
+        assert plan.strategy == "dot_tiles" and plan.rows_on_device, plan
+    assert fused_ce.plan(x, w, t, pass_="forward_with_grad").grad_input_dtype == torch.float32  # several slices
+
+
+@cuda
+def test_lean_workspace_chooses_by_cost_model():
+    # 64 MiB: B's row blocks would be 128 rows, each re-reading dW: 2-D vocabulary tiles instead; A's 256-row
+    # blocks re-read it less than one more GEMM pass costs: row blocks
+    lean = dict(workspace_bytes=64 * MiB)
+    b = fused_ce.plan(*expanded(*B, torch.bfloat16, "cuda", grad=True), **lean)
+    assert (b.strategy, b.block_rows, b.stats_block_rows) == ("vocab_tiles", 2048, 128)
+    assert b.tile_cols == 64 * MiB // (2048 * 2) // 128 * 128 and b.workspace_bytes <= b.budget_bytes
+    a = fused_ce.plan(*expanded(*A, torch.bfloat16, "cuda", grad=True), **lean)
+    assert (a.strategy, a.block_rows) == ("stored_logits", 256)
+    loss_only = fused_ce.plan(*expanded(*A, torch.bfloat16, "cuda"), workspace_bytes=16 * MiB)
+    assert loss_only.strategy == "dot_tiles"  # fewer than 512 rows of logits fit
+
+
+@cuda
+def test_per_row_losses_recompute_in_the_backward():
+    x, w, t = expanded(*C, torch.bfloat16, "cuda", grad=True)
+    assert fused_ce.plan(x, w, t, reduction="none").strategy == "stored_logits"
+    back = fused_ce.plan(x, w, t, reduction="none", pass_="backward")
+    assert back.strategy == "dot_tiles" and back.grad_weight_dtype == torch.float32
+
+
+@cuda
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_rank_one_smoothing_needs_class_weights_and_no_softcap(softcap):
+    x, w, t = expanded(*C, torch.bfloat16, "cuda", grad=True)
+    cw = torch.ones(C[2], device="cuda")
+    plan = fused_ce.plan(x, w, t, weight=cw, label_smoothing=0.1, softcap=softcap)
+    assert plan.rank_one_smoothing == (softcap is None)
+    assert not fused_ce.plan(x, w, t, label_smoothing=0.1).rank_one_smoothing
