@@ -6,6 +6,7 @@ architectures in FUSED_CE_CUDA_ARCHS (or TORCH_CUDA_ARCH_LIST; default
 compiler; no GPU and no CUDA toolkit. Build without isolation so the extension
 matches the installed torch: ``pip install --no-build-isolation .``
 """
+
 import subprocess
 import sys
 from pathlib import Path

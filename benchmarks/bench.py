@@ -11,36 +11,18 @@ minus the inputs minus the gradients. Errors are relative norm errors against a
 float32 reference (loss, dX, dW). Prints a table and writes a JSON file and a
 PNG plot of time and workspace against N to --out.
 """
+
 import argparse
 import json
-import math
 import os
-import platform
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-SHAPES = {  # name: (N, D, V)
-    "A": (16384, 4096, 128256),  # Llama-3 8B
-    "B": (8192, 2304, 256000),  # Gemma-2 2B
-    "C": (4096, 4096, 128256),
-}
-PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
-
-
-def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    x = torch.randn(N, D, device=device, dtype=dtype, generator=g)
-    w = (torch.randn(V, D, device=device, generator=g) / math.sqrt(D)).to(dtype)
-    t = torch.randint(0, V, (N,), device=device, generator=g)
-    t[torch.rand(N, device=device, generator=g) < 0.1] = -100
-    return x, w, t
+from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, plan_summary
 
 
 def torch_eager(x, w, t):
@@ -99,20 +81,6 @@ def reference(x, w, t):
 
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def cuda_time_ms(fn, warmup, repeat):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(method, x, w, t, ref, warmup, repeat):
@@ -203,42 +171,61 @@ def run(args):
                 continue
             finally:
                 torch.cuda.empty_cache()
-            row = dict(shape=name, N=N, D=D, V=V, method=mname, ms=ms, tflops=flops / ms / 1e9,
-                       workspace_gib=ws, floor_ms=floor_ms, **{f"err_{k}": v for k, v in errs.items()})
+            row = dict(
+                shape=name,
+                N=N,
+                D=D,
+                V=V,
+                method=mname,
+                ms=ms,
+                tflops=flops / ms / 1e9,
+                workspace_gib=ws,
+                floor_ms=floor_ms,
+                **{f"err_{k}": v for k, v in errs.items()},
+            )
             if mname == "fused_ce":
                 row["loss_only_ms"] = loss_only_ms(x, w, t, args.warmup, args.repeat)
                 row["loss_only_floor_ms"] = floor_ms / 3
+                row["plan"] = plan_summary(x, w, t)
             rows.append(row)
-            print(f"{name:>10} {mname:>18} {ms:8.2f} ms {row['tflops']:6.0f} TFLOP/s {ws:6.3f} GiB  "
-                  f"err loss {errs['loss']:.1e} dX {errs['dX']:.1e} dW {errs['dW']:.1e}", flush=True)
+            print(
+                f"{name:>10} {mname:>18} {ms:8.2f} ms {row['tflops']:6.0f} TFLOP/s {ws:6.3f} GiB  "
+                f"err loss {errs['loss']:.1e} dX {errs['dX']:.1e} dW {errs['dW']:.1e}",
+                flush=True,
+            )
         del x, w, t, ref
         torch.cuda.empty_cache()
     return rows, first_call
 
 
-def environment():
-    import triton  # noqa: only to report the version the peers use
-
-    return dict(date=str(date.today()), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version())
-
-
 def print_table(rows, first_call, env):
     print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}")
     if first_call:
-        print(f"fused_ce fwd+bwd: first call after import {first_call[0]:.1f} ms, warm {first_call[1]:.1f} ms "
-              f"(first shape)")
+        print(
+            f"fused_ce fwd+bwd: first call after import {first_call[0]:.1f} ms, warm {first_call[1]:.1f} ms "
+            f"(first shape)"
+        )
     header = "| shape | method | fwd+bwd ms | TFLOP/s | x floor | workspace GiB | err loss | err dX | err dW |"
     print(header)
     print("|" + "---|" * 9)
     for r in rows:
-        print(f"| {r['shape']} | {r['method']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['ms'] / r['floor_ms']:.2f} | "
-              f"{r['workspace_gib']:.3f} | {r['err_loss']:.1e} | {r['err_dX']:.1e} | {r['err_dW']:.1e} |")
+        print(
+            f"| {r['shape']} | {r['method']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['ms'] / r['floor_ms']:.2f} | "
+            f"{r['workspace_gib']:.3f} | {r['err_loss']:.1e} | {r['err_dX']:.1e} | {r['err_dW']:.1e} |"
+        )
+    for r in rows:
+        if "plan" in r:
+            print(f"fused_ce plan at {r['shape']}: {r['plan']}")
     lo = [r for r in rows if "loss_only_ms" in r]
     if lo:
-        print("\nfused_ce loss only (no grad): " + ", ".join(
-            f"{r['shape']} {r['loss_only_ms']:.2f} ms ({r['loss_only_ms'] / r['loss_only_floor_ms']:.2f}x 2NDV floor)"
-            for r in lo))
+        print(
+            "\nfused_ce loss only (no grad): "
+            + ", ".join(
+                f"{r['shape']} {r['loss_only_ms']:.2f} ms "
+                f"({r['loss_only_ms'] / r['loss_only_floor_ms']:.2f}x 2NDV floor)"
+                for r in lo
+            )
+        )
 
 
 def plot(rows, path):
@@ -261,8 +248,9 @@ def plot(rows, path):
     floor = sorted({(r["N"], r["floor_ms"]) for r in sweep})
     ax_t.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="6NDV floor")
     ax_t.set(xlabel="N (tokens)", ylabel="fwd+bwd ms", title="D=4096, V=128256, bf16", xscale="log", yscale="log")
-    ax_m.set(xlabel="N (tokens)", ylabel="workspace GiB", title="peak beyond inputs and grads", xscale="log",
-             yscale="symlog")
+    ax_m.set(
+        xlabel="N (tokens)", ylabel="workspace GiB", title="peak beyond inputs and grads", xscale="log", yscale="symlog"
+    )
     ax_t.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -6,6 +6,7 @@ float32; each (method, N) runs in a fresh process so that its peak resident
 memory can be read (fused_ce.demo's worker). Prints a table and writes
 cpu.json and cpu.png to --out.
 """
+
 import argparse
 import io
 import json
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from fused_ce.demo import worker_command
+
 
 def run(method, n, d, v, repeat):
-    cmd = [sys.executable, "-m", "fused_ce.demo", "--worker", method, "--device", "cpu", "--n", str(n), "--d", str(d),
-           "--v", str(v), "--repeat", str(repeat)]
+    cmd = worker_command(method, n, d, v, repeat)
     out = subprocess.run(cmd, capture_output=True, check=True)
     r = torch.load(io.BytesIO(out.stdout))
     return r["sec"] * 1e3, r["peak"] / 2**20
@@ -40,15 +42,21 @@ def main():
         for method in ("pytorch", "fused_ce"):
             ms, mib = run(method, n, args.d, args.v, args.repeat)
             rows.append(dict(method=method, N=n, D=args.d, V=args.v, ms=ms, peak_mib=mib))
-    env = dict(date=str(date.today()), cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-               torch=torch.__version__)
+    env = dict(
+        date=str(date.today()),
+        cpu=platform.processor() or platform.machine(),
+        cores=os.cpu_count(),
+        torch=torch.__version__,
+    )
     print(f"\n{env['date']} CPU ({env['cores']} cores) torch {env['torch']}; D={args.d} V={args.v} float32, fwd+bwd")
     print("| N | torch ms | fused_ce ms | time ratio | torch peak MiB | fused_ce peak MiB | memory ratio |")
     print("|---|---|---|---|---|---|---|")
     for n in sorted({r["N"] for r in rows}):
         t, f = (next(r for r in rows if r["N"] == n and r["method"] == m) for m in ("pytorch", "fused_ce"))
-        print(f"| {n} | {t['ms']:.0f} | {f['ms']:.0f} | {f['ms'] / t['ms']:.2f} | {t['peak_mib']:.0f} | "
-              f"{f['peak_mib']:.0f} | {f['peak_mib'] / max(t['peak_mib'], 1e-9):.3f} |")
+        print(
+            f"| {n} | {t['ms']:.0f} | {f['ms']:.0f} | {f['ms'] / t['ms']:.2f} | {t['peak_mib']:.0f} | "
+            f"{f['peak_mib']:.0f} | {f['peak_mib'] / max(t['peak_mib'], 1e-9):.3f} |"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))

@@ -5,19 +5,15 @@
 bf16 at shape A (N=16384, D=4096, V=128256) by default, inputs as in bench.py.
 Prints a table and writes features.json and features.png to --out.
 """
-import argparse
+
 import json
-import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
+from common import SHAPES, cuda_time_ms, environment, make_inputs, shape_parser
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench import SHAPES, cuda_time_ms, environment, make_inputs  # noqa: E402
-
-import fused_ce  # noqa: E402
+import fused_ce
 
 
 def features(V, device):
@@ -34,17 +30,14 @@ def features(V, device):
         "return_lse (lse not differentiated)": dict(return_lse="detached"),
         "return_lse (lse in the loss)": dict(return_lse=True),
         "reduction='none'": dict(reduction="none"),
-        "all of the above but none": dict(weight=cw, label_smoothing=0.1, z_loss=1e-4, softcap=30.0,
-                                          logit_scale=0.5, bias=True),
+        "all of the above but none": dict(
+            weight=cw, label_smoothing=0.1, z_loss=1e-4, softcap=30.0, logit_scale=0.5, bias=True
+        ),
     }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="A")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser = shape_parser(__doc__, repeat=10)
     args = parser.parse_args()
     N, D, V = SHAPES[args.shape]
     x, w, t = make_inputs(N, D, V, "cuda")
@@ -58,8 +51,9 @@ def main():
 
         def step(kw=kw, use_bias=use_bias, return_lse=return_lse):
             xl.grad = wl.grad = bl.grad = None
-            out = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl if use_bias else None,
-                                                return_lse=bool(return_lse), **kw)
+            out = fused_ce.linear_cross_entropy(
+                xl, wl, t, linear_bias=bl if use_bias else None, return_lse=bool(return_lse), **kw
+            )
             if return_lse == "detached":  # e.g. logged, not trained on
                 out, lse = out
                 lse.detach().mean()
@@ -81,8 +75,10 @@ def main():
     rows = [dict(feature=name, ms=statistics.median(ms)) for name, ms in times.items()]
     base = rows[0]["ms"]
     env = environment()
-    print(f"\n{env['date']} {env['device']} torch {env['torch']}; shape {args.shape} (N={N}, D={D}, V={V}) bf16, "
-          f"fwd+bwd, median of {args.repeat}")
+    print(
+        f"\n{env['date']} {env['device']} torch {env['torch']}; shape {args.shape} (N={N}, D={D}, V={V}) bf16, "
+        f"fwd+bwd, median of {args.repeat}"
+    )
     print("| feature | ms | cost vs plain |\n|---|---|---|")
     for r in rows:
         r["overhead"] = r["ms"] / base - 1

@@ -10,14 +10,13 @@
    the library's own kernel (one cubin load), a few ATen elementwise ops, and
    tiny loss-only and fwd+bwd calls in bf16 and fp32.
 """
+
 import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench import SHAPES  # noqa: E402
+from common import SHAPES
 
 WARMUPS = r"""
 import sys, time, torch
@@ -57,7 +56,8 @@ for i in range(4):
     torch.cuda.synchronize(); s = time.perf_counter()
     fn().backward()
     torch.cuda.synchronize(); times.append((time.perf_counter() - s) * 1e3)
-print(f"{mode:11s} {sys.argv[2]:24s} setup {prep:7.1f} ms, first call {times[0]:7.1f} ms, then {times[1]:.1f} {times[2]:.1f} {times[3]:.1f}")
+print(f"{mode:11s} {sys.argv[2]:24s} setup {prep:7.1f} ms, first call {times[0]:7.1f} ms, "
+      f"then {times[1]:.1f} {times[2]:.1f} {times[3]:.1f}")
 """
 
 FIRST_USES = r"""
@@ -70,8 +70,9 @@ def timed(label, fn):
 timed("import fused_ce", lambda: __import__("fused_ce"))
 import fused_ce
 g = torch.randn(1000, device="cuda").to(torch.bfloat16)
-timed("_scale_grad_, first (loads its cubin)", lambda: torch.ops.fused_ce._scale_grad_(g, torch.tensor(0.5, device="cuda")))
-timed("_scale_grad_, second", lambda: torch.ops.fused_ce._scale_grad_(g, torch.tensor(0.5, device="cuda")))
+half = torch.tensor(0.5, device="cuda")
+timed("_scale_grad_, first (loads its cubin)", lambda: torch.ops.fused_ce._scale_grad_(g, half))
+timed("_scale_grad_, second", lambda: torch.ops.fused_ce._scale_grad_(g, half))
 t = torch.randint(0, 128, (64,), device="cuda")
 t[::7] = -100
 timed("8 ATen elementwise ops, first use (eq, where, any, ...)",
@@ -96,12 +97,21 @@ def main():
     args = parser.parse_args()
     N, D, V = SHAPES[args.shape]
     eager = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
-    runs = [("plain", None), ("plain", None), ("torch", None), ("plain", eager), ("torch", eager),
-            ("op_warm", None), ("gemm_warm", None), ("alloc_warm", None)]
+    runs = [
+        ("plain", None),
+        ("plain", None),
+        ("torch", None),
+        ("plain", eager),
+        ("torch", eager),
+        ("op_warm", None),
+        ("gemm_warm", None),
+        ("alloc_warm", None),
+    ]
     for mode, env in runs:
         label = "CUDA_MODULE_LOADING=EAGER" if env else "-"
-        r = subprocess.run([sys.executable, "-c", WARMUPS % (N, D, V), mode, label], capture_output=True, text=True,
-                           env=env)
+        r = subprocess.run(
+            [sys.executable, "-c", WARMUPS % (N, D, V), mode, label], capture_output=True, text=True, env=env
+        )
         print(r.stdout.strip() or r.stderr[-1500:], flush=True)
     r = subprocess.run([sys.executable, "-c", FIRST_USES], capture_output=True, text=True)
     print(r.stdout.strip() or r.stderr[-1500:])

@@ -8,19 +8,25 @@ then one profiled step: kernel time per kernel name against its own floor
 time between kernels and its largest gaps with their neighbours, and the host
 calls that block (synchronisations, allocations). Writes trace.json to --out.
 """
+
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
+from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, plan_summary
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs  # noqa: E402
-
-BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMalloc", "cudaFree", "cudaMemcpy",
-                  "cudaEventSynchronize", "cuModuleLoadData", "cudaHostAlloc")
+BLOCKING_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMalloc",
+    "cudaFree",
+    "cudaMemcpy",
+    "cudaEventSynchronize",
+    "cuModuleLoadData",
+    "cudaHostAlloc",
+)
 
 
 def short(name, width=70):
@@ -56,7 +62,7 @@ def profile_step(step, back_to_back=3):
             host.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     kernels.sort()
     per_step = len(kernels) // back_to_back
-    return kernels[-per_step:], {k: v[-len(v) // back_to_back:] for k, v in host.items()}
+    return kernels[-per_step:], {k: v[-len(v) // back_to_back :] for k, v in host.items()}
 
 
 def analyse(kernels, host):
@@ -67,14 +73,20 @@ def analyse(kernels, host):
         total, count = per_name.get(name, (0.0, 0))
         per_name[name] = (total + (end - start) / 1e3, count + 1)
     gaps = []
-    for (s0, e0, n0), (s1, e1, n1) in zip(kernels, kernels[1:]):
+    for (_, e0, n0), (s1, _, n1) in zip(kernels, kernels[1:]):
         if s1 > e0:
             gaps.append(((s1 - e0) / 1e3, n0, n1))
     gaps.sort(reverse=True)
-    return dict(span_ms=span, busy_ms=busy, idle_ms=sum(g[0] for g in gaps), kernels=len(kernels),
-                per_name=sorted(((n, t, c) for n, (t, c) in per_name.items()), key=lambda r: -r[1]),
-                gaps=gaps[:8], host={k: (sum(v) / 1e3, len(v)) for k, v in host.items()},
-                first=[((s - kernels[0][0]) / 1e3, (e - s) / 1e3, n) for s, e, n in kernels[:14]])
+    return dict(
+        span_ms=span,
+        busy_ms=busy,
+        idle_ms=sum(g[0] for g in gaps),
+        kernels=len(kernels),
+        per_name=sorted(((n, t, c) for n, (t, c) in per_name.items()), key=lambda r: -r[1]),
+        gaps=gaps[:8],
+        host={k: (sum(v) / 1e3, len(v)) for k, v in host.items()},
+        first=[((s - kernels[0][0]) / 1e3, (e - s) / 1e3, n) for s, e, n in kernels[:14]],
+    )
 
 
 def main():
@@ -95,11 +107,19 @@ def main():
             step = step_fn(x, w, t, mib << 20 if mib else None)
             ms = cuda_time_ms(step, 3, args.repeat)
             r = analyse(*profile_step(step))
-            r.update(shape=shape, workspace_mib=mib or "default", step_ms=ms, floor_ms=floor)
+            r.update(
+                shape=shape,
+                workspace_mib=mib or "default",
+                step_ms=ms,
+                floor_ms=floor,
+                plan=plan_summary(x, w, t, workspace_bytes=mib << 20 if mib else None),
+            )
             results.append(r)
-            print(f"\n== shape {shape} (N={N} D={D} V={V}) workspace {r['workspace_mib']} MiB: step {ms:.2f} ms "
-                  f"(6NDV floor {floor:.1f}); last of 3 profiled steps: kernels span {r['span_ms']:.2f} ms, busy "
-                  f"{r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, {r['kernels']} kernels")
+            print(
+                f"\n== shape {shape} (N={N} D={D} V={V}) workspace {r['workspace_mib']} MiB: step {ms:.2f} ms "
+                f"(6NDV floor {floor:.1f}); last of 3 profiled steps: kernels span {r['span_ms']:.2f} ms, busy "
+                f"{r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, {r['kernels']} kernels; plan {r['plan']}"
+            )
             for name, total, count in r["per_name"][:10]:
                 print(f"  {total:8.2f} ms {count:4d}x  {short(name)}")
             print("  largest gaps:")
@@ -114,8 +134,14 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "trace.json").write_text(json.dumps(dict(env=env, results=results), indent=1))
-    print("\nsummary: " + "; ".join(f"{r['shape']}/{r['workspace_mib']}: {r['step_ms']:.1f} ms step, "
-                                     f"{r['busy_ms']:.1f} busy, {r['idle_ms']:.1f} idle" for r in results))
+    print(
+        "\nsummary: "
+        + "; ".join(
+            f"{r['shape']}/{r['workspace_mib']}: {r['step_ms']:.1f} ms step, "
+            f"{r['busy_ms']:.1f} busy, {r['idle_ms']:.1f} idle"
+            for r in results
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -11,25 +11,39 @@ fused_ce/_build/aot.py says so (NOTES.md, step 14), so check a JIT finding in
 the pipeline with benchmarks/trace.py, which also gives the per-kernel
 breakdown of a step. The first call's cost: benchmarks/first_call.py.
 """
-import argparse
+
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench import SHAPES, cuda_time_ms, environment, make_inputs  # noqa: E402
+from common import SHAPES, cuda_time_ms, environment, make_inputs, shape_parser
 
 ROW_STATS = [  # block_n, block_v, block_d, group_n, num_warps, num_stages
-    (128, 128, 64, 16, 8, 4), (128, 128, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3),
-    (256, 128, 64, 16, 8, 3), (128, 128, 128, 16, 8, 2), (64, 256, 64, 16, 4, 4), (128, 256, 32, 16, 8, 4),
+    (128, 128, 64, 16, 8, 4),
+    (128, 128, 64, 16, 8, 3),
+    (128, 256, 64, 16, 8, 3),
+    (128, 256, 64, 8, 8, 3),
+    (256, 128, 64, 16, 8, 3),
+    (128, 128, 128, 16, 8, 2),
+    (64, 256, 64, 16, 4, 4),
+    (128, 256, 32, 16, 8, 4),
 ]
 # rows x columns per program, num_warps: the tiles of logit_partials and softmax_grad
-SOFTMAX_GRAD = [(4, 2048, 4), (2, 4096, 4), (8, 2048, 4), (4, 4096, 8), (2, 2048, 2), (16, 512, 4), (16, 1024, 8),
-                (8, 1024, 4), (8, 2048, 8), (32, 1024, 8)]
+SOFTMAX_GRAD = [
+    (4, 2048, 4),
+    (2, 4096, 4),
+    (8, 2048, 4),
+    (4, 4096, 8),
+    (2, 2048, 2),
+    (16, 512, 4),
+    (16, 1024, 8),
+    (8, 1024, 4),
+    (8, 2048, 8),
+    (32, 1024, 8),
+]
+
 
 def tune_row_stats(x, w, t, warmup, repeat):
     from fused_ce.kernels import configs, jit
@@ -40,7 +54,9 @@ def tune_row_stats(x, w, t, warmup, repeat):
         cfg = configs.TileConfig(*c)
         splits = max(1, -(-8 * sms // -(-x.shape[0] // cfg.block_n)))
         try:
-            ms = cuda_time_ms(lambda: jit.row_stats(x, w, t, num_splits=splits, config=cfg), warmup, repeat)
+            ms = cuda_time_ms(
+                lambda cfg=cfg, splits=splits: jit.row_stats(x, w, t, num_splits=splits, config=cfg), warmup, repeat
+            )
         except Exception as exc:  # out of shared memory, ...
             print(f"row_stats {c}: {type(exc).__name__}", file=sys.stderr)
             continue
@@ -53,8 +69,13 @@ def softmax_grad_candidates():
     from fused_ce.kernels import configs, jit
 
     def run(cfg):
-        return lambda logits, t, ones, zeros, write_grad: jit.softmax_grad(
-            logits, t, ones, zeros, ones, zeros, write_grad=write_grad, config=cfg)
+        def passes(logits, t, ones, zeros, write_grad):
+            lse, _, _ = jit.stats_from_logits(logits, t, config=cfg)
+            if write_grad:
+                jit.softmax_grad(logits, t, lse, ones, zeros, ones, zeros, config=cfg)
+
+        return passes
+
     return {f"{r}x{c}/{w}": run(configs.RowConfig(c, w, rows=r)) for r, c, w in SOFTMAX_GRAD}
 
 
@@ -85,17 +106,20 @@ def tune_softmax_grad(x, w, t, warmup, repeat, candidates=None, block_rows=2048)
     rows = []
     for (name, write_grad), ms_list in times.items():
         ms = statistics.median(ms_list)
-        rows.append(dict(kernel="softmax_grad", config=name, write_grad=write_grad, ms=ms,
-                         tb_per_s=(3 if write_grad else 1) * gbytes / ms))
+        rows.append(
+            dict(
+                kernel="softmax_grad",
+                config=name,
+                write_grad=write_grad,
+                ms=ms,
+                tb_per_s=(3 if write_grad else 1) * gbytes / ms,
+            )
+        )
     return rows
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="A")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser = shape_parser(__doc__, repeat=5)
     parser.add_argument("--parts", default="row_stats,softmax_grad")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -113,11 +137,15 @@ def main():
             print(f"  {r['config']}  {r['ms']:.2f} ms  {2 * N * D * V / r['ms'] / 1e9:.0f} TFLOP/s")
     if "softmax_grad" in parts:
         result["softmax_grad"] = tune_softmax_grad(x, w, kernel_t, args.warmup, args.repeat)
-        print("forward passes over a 2048-row block of logits; rows x columns / warps; TB/s counts 3 passes with "
-              "the gradient (read, re-read, write), 1 without:")
+        print(
+            "forward passes over a 2048-row block of logits; rows x columns / warps; TB/s counts 3 passes with "
+            "the gradient (read, re-read, write), 1 without:"
+        )
         for r in sorted(result["softmax_grad"], key=lambda r: (r["write_grad"], r["ms"])):
-            print(f"  {str(r['config']):14s} write_grad={int(r['write_grad'])}  {r['ms']:.3f} ms  "
-                  f"{r['tb_per_s']:.2f} TB/s")
+            print(
+                f"  {str(r['config']):14s} write_grad={int(r['write_grad'])}  {r['ms']:.3f} ms  "
+                f"{r['tb_per_s']:.2f} TB/s"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.json").write_text(json.dumps(result, indent=1, default=str))

@@ -1,9 +1,9 @@
 // The stages in ATen: the CPU implementation, and the CUDA fallback where no
 // embedded cubin fits the device.
+#include "aten_stages.h"
+
 #include <algorithm>
 #include <cmath>
-
-#include "aten_stages.h"
 
 namespace fused_ce {
 
@@ -66,8 +66,7 @@ at::Tensor finish_grad(at::Tensor g, const Problem& p, const GradCoefficients& c
 
 // g from the logits z of columns [v_begin, v_end) (consumed: g is built in its
 // storage), with c.lse set.
-at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficients& c, int64_t v_begin,
-                            int64_t v_end) {
+at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end) {
   const auto dtype = z.scalar_type();
   const at::Tensor lse = c.lse.to(dtype);
   const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * lse;
@@ -80,8 +79,7 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
 
 RowStats aten_row_stats(const Problem& p, bool smoothing, int64_t block_rows) {
   const auto opts = p.x.options().dtype(loss_dtype(p));
-  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts),
-             smoothing ? at::empty({p.N}, opts) : at::Tensor()};
+  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), smoothing ? at::empty({p.N}, opts) : at::Tensor()};
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
     const Problem chunk = p.rows(r0, r1);
@@ -97,8 +95,7 @@ at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t 
   return grad_from_logits(logits(p, v_begin, v_end), p, c, v_begin, v_end);
 }
 
-std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
-                                                          bool smoothing) {
+std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c, bool smoothing) {
   at::Tensor z = logits(p, 0, p.V);
   RowStats s = linear_stats_of(p, z, smoothing);
   const at::Tensor dcap = softcap_slope(p, z);

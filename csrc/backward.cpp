@@ -32,8 +32,9 @@ Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficient
   const auto gemm_dtype = plan.logits_dtype;
   Grads g;
   if (need_x) g.input = at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
-  if (need_w) g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
-                                  : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
+  if (need_w)
+    g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
+                        : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
   if (need_b) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
   const at::Tensor x = p.x.to(gemm_dtype);
   const at::Tensor w = p.w.to(gemm_dtype);

@@ -1,7 +1,5 @@
 #include "cuda_driver.h"
 
-#include "format.h"
-
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -13,6 +11,8 @@
 #include <mutex>
 #include <utility>
 
+#include "format.h"
+
 namespace fused_ce {
 namespace {
 
@@ -23,11 +23,11 @@ using CUcontext = struct CUctx_st*;
 using CUmodule = struct CUmod_st*;
 using CUfunction = struct CUfunc_st*;
 using CUstream = struct CUstream_st*;
-constexpr int kAttrMultiprocessorCount = 16;          // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-constexpr int kAttrComputeCapabilityMajor = 75;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-constexpr int kAttrComputeCapabilityMinor = 76;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
-constexpr int kAttrMaxSharedPerBlockOptin = 97;       // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-constexpr int kFuncAttrMaxDynamicShared = 8;          // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+constexpr int kAttrMultiprocessorCount = 16;     // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+constexpr int kAttrComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+constexpr int kAttrComputeCapabilityMinor = 76;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+constexpr int kAttrMaxSharedPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+constexpr int kFuncAttrMaxDynamicShared = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 constexpr int kDefaultSharedLimit = 48 * 1024;
 
 struct Driver {
@@ -42,8 +42,8 @@ struct Driver {
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
   CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
-  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             unsigned, CUstream, void**, void**);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                             void**, void**);
 };
 
 template <typename F>
@@ -145,28 +145,24 @@ CUfunction function_for(const KernelVariant& v, int device_index) {
 }  // namespace
 
 KernelArgs& KernelArgs::ptr(const char* name, const at::Tensor& t) {
-  Arg a{name, Kind::Ptr, {}};
-  a.value.ptr = t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
-  args_.push_back(a);
-  return *this;
+  Value v{};
+  v.ptr = t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
+  return add(name, Kind::Ptr, v);
 }
-KernelArgs& KernelArgs::i64(const char* name, int64_t v) {
-  Arg a{name, Kind::I64, {}};
-  a.value.i64 = v;
-  args_.push_back(a);
-  return *this;
+KernelArgs& KernelArgs::i64(const char* name, int64_t value) {
+  Value v{};
+  v.i64 = value;
+  return add(name, Kind::I64, v);
 }
-KernelArgs& KernelArgs::i32(const char* name, int32_t v) {
-  Arg a{name, Kind::I32, {}};
-  a.value.i32 = v;
-  args_.push_back(a);
-  return *this;
+KernelArgs& KernelArgs::i32(const char* name, int32_t value) {
+  Value v{};
+  v.i32 = value;
+  return add(name, Kind::I32, v);
 }
-KernelArgs& KernelArgs::f32(const char* name, float v) {
-  Arg a{name, Kind::F32, {}};
-  a.value.f32 = v;
-  args_.push_back(a);
-  return *this;
+KernelArgs& KernelArgs::f32(const char* name, float value) {
+  Value v{};
+  v.f32 = value;
+  return add(name, Kind::F32, v);
 }
 
 int device_arch(int device_index) {
@@ -209,14 +205,13 @@ void launch(const KernelVariant& v, const at::Device& device, int64_t grid, cons
     TORCH_CHECK(found != nullptr, "fused_ce: kernel ", v.kernel, " expects argument ", name,
                 " that the launcher does not pass (kernel table out of date?)");
     using Kind = KernelArgs::Kind;
-    const Kind expected = type[0] == '*'                 ? Kind::Ptr
-                          : std::strcmp(type, "i64") == 0 ? Kind::I64
-                          : std::strcmp(type, "i32") == 0 ? Kind::I32
+    const Kind expected = type[0] == '*'                   ? Kind::Ptr
+                          : std::strcmp(type, "i64") == 0  ? Kind::I64
+                          : std::strcmp(type, "i32") == 0  ? Kind::I32
                           : std::strcmp(type, "fp32") == 0 ? Kind::F32
-                                                          : Kind::Ptr;
-    TORCH_CHECK(found->kind == expected && (type[0] == '*' || expected != Kind::Ptr),
-                "fused_ce: kernel ", v.kernel, " argument ", name, " has triton type ", type,
-                " but the launcher passes another type");
+                                                           : Kind::Ptr;
+    TORCH_CHECK(found->kind == expected && (type[0] == '*' || expected != Kind::Ptr), "fused_ce: kernel ", v.kernel,
+                " argument ", name, " has triton type ", type, " but the launcher passes another type");
     params.push_back(const_cast<void*>(static_cast<const void*>(&found->value)));
   }
   static const uint64_t null_scratch = 0;

@@ -27,16 +27,21 @@ class KernelArgs {
  private:
   friend void launch(const KernelVariant&, const at::Device&, int64_t, const KernelArgs&);
   enum class Kind { Ptr, I64, I32, F32 };
+  union Value {
+    uint64_t ptr;
+    int64_t i64;
+    int32_t i32;
+    float f32;
+  };
   struct Arg {
     const char* name;
     Kind kind;
-    union {
-      uint64_t ptr;
-      int64_t i64;
-      int32_t i32;
-      float f32;
-    } value;
+    Value value;
   };
+  KernelArgs& add(const char* name, Kind kind, Value value) {
+    args_.push_back(Arg{name, kind, value});
+    return *this;
+  }
   std::vector<Arg> args_;
 };
 

@@ -1,11 +1,11 @@
 // The stages on CUDA: picks an embedded Triton variant for the tensors at hand
 // and launches it (cuda_driver.cpp).
+#include "cuda_stages.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-
-#include "cuda_stages.h"
 
 #include "cuda_driver.h"
 #include "format.h"
@@ -67,17 +67,26 @@ const KernelVariant* select_elementwise(const char* kernel, const at::Tensor& t)
   return aligned != nullptr ? aligned : find_variant(kernel, dtype, "general", arch);
 }
 
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 KernelArgs common_args(const Problem& p) {
   KernelArgs a;
-  a.ptr("x_ptr", p.x).ptr("w_ptr", p.w).ptr("b_ptr", p.bias).ptr("cw_ptr", p.class_weight)
-      .ptr("tgt_ptr", p.target).i64("D", p.D)
-      .i64("stride_xn", p.x.stride(0)).i64("stride_xd", p.x.stride(1))
-      .i64("stride_wv", p.w.stride(0)).i64("stride_wd", p.w.stride(1))
+  a.ptr("x_ptr", p.x)
+      .ptr("w_ptr", p.w)
+      .ptr("b_ptr", p.bias)
+      .ptr("cw_ptr", p.class_weight)
+      .ptr("tgt_ptr", p.target)
+      .i64("D", p.D)
+      .i64("stride_xn", p.x.stride(0))
+      .i64("stride_xd", p.x.stride(1))
+      .i64("stride_wv", p.w.stride(0))
+      .i64("stride_wd", p.w.stride(1))
       .f32("logit_scale", static_cast<float>(p.logit_scale))
       .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
-      .i32("has_bias", p.bias.defined()).i32("has_class_weight", p.class_weight.defined())
+      .i32("has_bias", p.bias.defined())
+      .i32("has_class_weight", p.class_weight.defined())
       .i32("has_softcap", p.softcap.has_value());
   return a;
 }
@@ -97,7 +106,8 @@ bool cuda_kernels_available(const Problem& p) {
   for (const char* kernel : {"row_stats", "logit_grad", "logit_partials", "combine_partials", "softmax_grad"}) {
     if (select(kernel, p, nullptr) == nullptr) return false;
   }
-  return select_fixed("prepare_rows", p.x.device()) != nullptr && select_fixed("assemble_loss", p.x.device()) != nullptr;
+  return select_fixed("prepare_rows", p.x.device()) != nullptr &&
+         select_fixed("assemble_loss", p.x.device()) != nullptr;
 }
 
 RowStats cuda_row_stats(const Problem& p, bool smoothing) {
@@ -113,8 +123,14 @@ RowStats cuda_row_stats(const Problem& p, bool smoothing) {
 
   at::Tensor partial = at::empty({4, splits, p.N}, p.x.options().dtype(at::kFloat));
   KernelArgs args = common_args(p);
-  args.ptr("m_ptr", partial[0]).ptr("s_ptr", partial[1]).ptr("zt_ptr", partial[2]).ptr("wz_ptr", partial[3])
-      .i64("N", p.N).i64("V", p.V).i64("cols_per_split", cols_per_split).i32("has_smoothing", smoothing);
+  args.ptr("m_ptr", partial[0])
+      .ptr("s_ptr", partial[1])
+      .ptr("zt_ptr", partial[2])
+      .ptr("wz_ptr", partial[3])
+      .i64("N", p.N)
+      .i64("V", p.V)
+      .i64("cols_per_split", cols_per_split)
+      .i32("has_smoothing", smoothing);
   launch(v, p.x.device(), row_tiles * splits, args);
 
   const at::Tensor m = partial[0];
@@ -131,8 +147,15 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
   TORCH_CHECK(out.scalar_type() == p.x.scalar_type() && out.stride(1) == 1, "fused_ce: bad gradient buffer");
   const KernelVariant& v = *select("logit_grad", p, &out);
   KernelArgs args = common_args(p);
-  args.ptr("lse_ptr", c.lse).ptr("alpha_ptr", c.alpha).ptr("alpha_lse_ptr", c.alpha_lse)
-      .ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma).ptr("g_ptr", out).i64("N", p.N).i64("v_begin", v_begin).i64("v_end", v_end)
+  args.ptr("lse_ptr", c.lse)
+      .ptr("alpha_ptr", c.alpha)
+      .ptr("alpha_lse_ptr", c.alpha_lse)
+      .ptr("beta_ptr", c.beta)
+      .ptr("gamma_ptr", c.gamma)
+      .ptr("g_ptr", out)
+      .i64("N", p.N)
+      .i64("v_begin", v_begin)
+      .i64("v_end", v_end)
       .i64("stride_gn", out.stride(0));
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * cdiv(v_end - v_begin, v.block_v), args);
 }
@@ -167,21 +190,36 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
   const int64_t segments = cdiv(p.V, tiles.block_v);
   const at::Tensor partials = at::empty({3, p.N, segments}, p.x.options().dtype(at::kFloat));
   const auto transform = [&](KernelArgs& a) -> KernelArgs& {
-    return a.ptr("logits_ptr", logits).i64("stride_ln", logits.stride(0)).i64("segments", segments)
+    return a.ptr("logits_ptr", logits)
+        .i64("stride_ln", logits.stride(0))
+        .i64("segments", segments)
         .f32("logit_scale", static_cast<float>(p.logit_scale))
         .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
-        .i32("has_softcap", p.softcap.has_value()).i32("has_smoothing", smoothing);
+        .i32("has_softcap", p.softcap.has_value())
+        .i32("has_smoothing", smoothing);
   };
   KernelArgs partial_args;
-  transform(partial_args).ptr("cw_ptr", p.class_weight).ptr("pm_ptr", partials[0]).ptr("ps_ptr", partials[1])
-      .ptr("pw_ptr", partials[2]).i64("N", p.N).i64("V", p.V).i32("has_class_weight", p.class_weight.defined());
+  transform(partial_args)
+      .ptr("cw_ptr", p.class_weight)
+      .ptr("pm_ptr", partials[0])
+      .ptr("ps_ptr", partials[1])
+      .ptr("pw_ptr", partials[2])
+      .i64("N", p.N)
+      .i64("V", p.V)
+      .i32("has_class_weight", p.class_weight.defined());
   launch(tiles, p.x.device(), cdiv(p.N, tiles.block_n) * segments, partial_args);
 
   const KernelVariant& combine = *select("combine_partials", p, &logits);
   KernelArgs combine_args;
-  transform(combine_args).ptr("pm_ptr", partials[0]).ptr("ps_ptr", partials[1]).ptr("pw_ptr", partials[2])
-      .ptr("tgt_ptr", p.target).ptr("lse_ptr", out.lse).ptr("zt_ptr", out.target_logit)
-      .ptr("wz_ptr", out.weighted_z_sum).i64("N", p.N);
+  transform(combine_args)
+      .ptr("pm_ptr", partials[0])
+      .ptr("ps_ptr", partials[1])
+      .ptr("pw_ptr", partials[2])
+      .ptr("tgt_ptr", p.target)
+      .ptr("lse_ptr", out.lse)
+      .ptr("zt_ptr", out.target_logit)
+      .ptr("wz_ptr", out.weighted_z_sum)
+      .i64("N", p.N);
   launch(combine, p.x.device(), cdiv(p.N, combine.block_n), combine_args);
 }
 
@@ -192,12 +230,23 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
   const KernelVariant& v = *select("softmax_grad", p, &logits);
   const int64_t segments = cdiv(p.V, v.block_v);
   KernelArgs args;
-  args.ptr("logits_ptr", logits).ptr("cw_ptr", p.class_weight).ptr("tgt_ptr", p.target).ptr("lse_ptr", lse)
-      .ptr("alpha_ptr", c.alpha).ptr("alpha_lse_ptr", c.alpha_lse).ptr("beta_ptr", c.beta).ptr("gamma_ptr", c.gamma)
-      .i64("N", p.N).i64("V", p.V).i64("stride_ln", logits.stride(0)).i64("segments", segments)
-      .i64("col_offset", p.col_offset).f32("logit_scale", static_cast<float>(p.logit_scale))
+  args.ptr("logits_ptr", logits)
+      .ptr("cw_ptr", p.class_weight)
+      .ptr("tgt_ptr", p.target)
+      .ptr("lse_ptr", lse)
+      .ptr("alpha_ptr", c.alpha)
+      .ptr("alpha_lse_ptr", c.alpha_lse)
+      .ptr("beta_ptr", c.beta)
+      .ptr("gamma_ptr", c.gamma)
+      .i64("N", p.N)
+      .i64("V", p.V)
+      .i64("stride_ln", logits.stride(0))
+      .i64("segments", segments)
+      .i64("col_offset", p.col_offset)
+      .f32("logit_scale", static_cast<float>(p.logit_scale))
       .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
-      .i32("has_class_weight", p.class_weight.defined()).i32("has_softcap", p.softcap.has_value())
+      .i32("has_class_weight", p.class_weight.defined())
+      .i32("has_softcap", p.softcap.has_value())
       .i32("has_smoothing", smoothing);
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * segments, args);
 }
@@ -214,12 +263,23 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOpt
   const at::Tensor coef = unit != nullptr ? at::empty({4, p.N}, f32) : at::Tensor();
   const auto row = [&](int i) { return coef.defined() ? coef[i] : at::Tensor(); };
   KernelArgs args;
-  args.ptr("tgt_ptr", target).ptr("cw_ptr", p.class_weight).ptr("tgt_out_ptr", p.target)
-      .ptr("wt_ptr", p.target_weight).ptr("totals_ptr", p.totals).ptr("bad_ptr", bad)
-      .ptr("alpha_ptr", row(0)).ptr("alpha_lse_ptr", row(1)).ptr("beta_ptr", row(2)).ptr("gamma_ptr", row(3))
-      .i64("N", p.N).i64("V", p.V).i64("ignore_index", o.ignore_index)
-      .f32("label_smoothing", static_cast<float>(o.label_smoothing)).f32("z_loss", static_cast<float>(o.z_loss))
-      .i32("has_class_weight", p.class_weight.defined()).i32("mean", o.reduction == Reduction::Mean)
+  args.ptr("tgt_ptr", target)
+      .ptr("cw_ptr", p.class_weight)
+      .ptr("tgt_out_ptr", p.target)
+      .ptr("wt_ptr", p.target_weight)
+      .ptr("totals_ptr", p.totals)
+      .ptr("bad_ptr", bad)
+      .ptr("alpha_ptr", row(0))
+      .ptr("alpha_lse_ptr", row(1))
+      .ptr("beta_ptr", row(2))
+      .ptr("gamma_ptr", row(3))
+      .i64("N", p.N)
+      .i64("V", p.V)
+      .i64("ignore_index", o.ignore_index)
+      .f32("label_smoothing", static_cast<float>(o.label_smoothing))
+      .f32("z_loss", static_cast<float>(o.z_loss))
+      .i32("has_class_weight", p.class_weight.defined())
+      .i32("mean", o.reduction == Reduction::Mean)
       .i32("write_coefficients", unit != nullptr);
   launch(v, p.x.device(), 1, args);
   if (unit != nullptr) *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), row(3)};
@@ -234,11 +294,19 @@ at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOpt
   TORCH_CHECK(!o.smoothing() || wz.defined(), "fused_ce: label smoothing needs the weighted logit sums");
   at::Tensor loss = at::empty({o.scalar() ? 1 : p.N}, p.x.options().dtype(at::kFloat));
   KernelArgs args;
-  args.ptr("lse_ptr", lse).ptr("zt_ptr", zt).ptr("wz_ptr", wz).ptr("tgt_ptr", p.target)
-      .ptr("wt_ptr", p.target_weight).ptr("totals_ptr", p.totals).ptr("loss_ptr", loss)
-      .i64("N", p.N).i64("V", p.V)
-      .f32("label_smoothing", static_cast<float>(o.label_smoothing)).f32("z_loss", static_cast<float>(o.z_loss))
-      .i32("has_smoothing", o.smoothing()).i32("reduction", static_cast<int>(o.reduction));
+  args.ptr("lse_ptr", lse)
+      .ptr("zt_ptr", zt)
+      .ptr("wz_ptr", wz)
+      .ptr("tgt_ptr", p.target)
+      .ptr("wt_ptr", p.target_weight)
+      .ptr("totals_ptr", p.totals)
+      .ptr("loss_ptr", loss)
+      .i64("N", p.N)
+      .i64("V", p.V)
+      .f32("label_smoothing", static_cast<float>(o.label_smoothing))
+      .f32("z_loss", static_cast<float>(o.z_loss))
+      .i32("has_smoothing", o.smoothing())
+      .i32("reduction", static_cast<int>(o.reduction));
   launch(v, p.x.device(), 1, args);
   return loss;
 }
@@ -263,7 +331,8 @@ bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
 }  // namespace
 
 void scale_grad_(const at::Tensor& grad, const at::Tensor& scale) {
-  TORCH_CHECK(scale.numel() == 1, "fused_ce::_scale_grad_: scale must hold one value, got shape ", shape(scale.sizes()));
+  TORCH_CHECK(scale.numel() == 1, "fused_ce::_scale_grad_: scale must hold one value, got shape ",
+              shape(scale.sizes()));
   TORCH_CHECK(scale.device() == grad.device() || (scale.is_cpu() && scale.dim() == 0),
               "fused_ce::_scale_grad_: scale is on ", scale.device().str(), " but grad is on ", grad.device().str());
   if (grad.numel() == 0) return;

@@ -70,9 +70,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
 
 std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, std::string, std::string, bool, bool,
            int64_t, int64_t>
-plan_of(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-        const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view pass,
-        FUSED_CE_OPTION_PARAMS) {
+plan_of(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, c10::string_view pass,
+        const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const Plan plan = make_plan(p, o, parse_pass(pass));

@@ -41,9 +41,7 @@ at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const Plan& pla
     case Reduction::None:
       if (z_term.defined()) loss = loss + z_term;
       return loss.reshape(target_shape);
-    case Reduction::Sum:
-      loss = loss.sum();
-      return z_term.defined() ? loss + z_term.sum() : loss;
+    case Reduction::Sum: loss = loss.sum(); return z_term.defined() ? loss + z_term.sum() : loss;
     case Reduction::Mean:  // like torch: weighted mean, NaN when nothing is counted
       loss = loss.sum() / wt.sum();
       return z_term.defined() ? loss + z_term.sum() / valid.sum() : loss;

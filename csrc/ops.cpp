@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "format.h"
 #include "cuda_stages.h"
+#include "format.h"
 #include "kernel_table.h"
 #include "loss.h"
 
@@ -45,8 +45,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor loss, lse;
     if (o.scalar()) {
-      static auto op = op_handle("fused_ce::linear_cross_entropy_with_grad")
-                           .typed<decltype(linear_cross_entropy_with_grad)>();
+      static auto op =
+          op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
       auto [l, s, gx, gw, gb] = op.call(input, linear_weight, target, linear_bias, weight, needs, FUSED_CE_OPTION_ARGS);
       loss = l;
       lse = s;
@@ -56,8 +56,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
       std::tie(loss, lse) = op.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
     }
-    ctx->save_for_backward({input, linear_weight, target, has_bias ? *linear_bias : at::Tensor(),
-                            weight ? *weight : at::Tensor(), lse});
+    ctx->save_for_backward(
+        {input, linear_weight, target, has_bias ? *linear_bias : at::Tensor(), weight ? *weight : at::Tensor(), lse});
     return {loss, lse};
   }
 
@@ -90,8 +90,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     }
     const LossOptions o = LossOptions::from_ivalue(ctx->saved_data["options"]);
     if (!grad_loss.defined()) grad_loss = o.scalar() ? at::zeros({}, lse.options()) : at::zeros_like(lse);
-    static auto op = op_handle("fused_ce::linear_cross_entropy_backward")
-                         .typed<decltype(linear_cross_entropy_backward)>();
+    static auto op =
+        op_handle("fused_ce::linear_cross_entropy_backward").typed<decltype(linear_cross_entropy_backward)>();
     const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
     const auto [gx, gw, gb] = o.apply([&](auto... options) {
       return op.call(grad_loss, opt(grad_lse), saved[0], saved[1], saved[2], opt(saved[3]), opt(saved[4]), lse, mask,
@@ -101,12 +101,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(const at::Tensor& input,
-                                                                 const at::Tensor& linear_weight,
-                                                                 const at::Tensor& target,
-                                                                 const std::optional<at::Tensor>& linear_bias,
-                                                                 const std::optional<at::Tensor>& weight,
-                                                                 FUSED_CE_OPTION_PARAMS) {
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const bool differentiable = input.requires_grad() || linear_weight.requires_grad() ||
                               (linear_bias && linear_bias->defined() && linear_bias->requires_grad());
   if (!at::GradMode::is_enabled() || !differentiable) {  // no gradient work at all
@@ -114,20 +111,16 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(const at::Tenso
     static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
     return op.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
   }
-  auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias, weight,
-                                               FUSED_CE_OPTION_ARGS);
+  auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
   return {out[0], out[1]};
 }
 
 // Autocast: like F.linear, the linear part runs in the autocast dtype (the
 // loss is float32 inside anyway).
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(const at::Tensor& input,
-                                                                 const at::Tensor& linear_weight,
-                                                                 const at::Tensor& target,
-                                                                 const std::optional<at::Tensor>& linear_bias,
-                                                                 const std::optional<at::Tensor>& weight,
-                                                                 FUSED_CE_OPTION_PARAMS) {
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   const auto dtype = at::autocast::get_autocast_dtype(device_type);
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
@@ -157,32 +150,35 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
       return at::from_blob(const_cast<unsigned char*>(v.cubin_begin), {size}, at::kByte).clone();
     }
   }
-  TORCH_CHECK(false, "fused_ce: no embedded cubin for sm_", num(arch), " ", std::string(kernel), "/", std::string(dtype),
-              "/", std::string(layout));
+  TORCH_CHECK(false, "fused_ce: no embedded cubin for sm_", num(arch), " ", std::string(kernel), "/",
+              std::string(dtype), "/", std::string(layout));
   return at::Tensor();
 }
 
 }  // namespace
 
 TORCH_LIBRARY(fused_ce, m) {
-  m.def("linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, "
-        "Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor)",
-        {at::Tag::pt2_compliant_tag});
-  m.def("linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor linear_weight, "
-        "Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA
-        ") -> (Tensor, Tensor, Tensor)",
-        {at::Tag::pt2_compliant_tag});
-  m.def("linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
-        "Tensor? weight, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA
-        ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, "
+      "Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor linear_weight, "
+      "Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA
+      ") -> (Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
+      "Tensor? weight, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
-  m.def("_plan(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, str pass_, "
-        FUSED_CE_OPTION_SCHEMA
-        ") -> (str pass_, str strategy, int block_rows, int tile_cols, int stats_block_rows, str logits_dtype, "
-        "str grad_input_dtype, str grad_weight_dtype, bool rank_one_smoothing, bool rows_on_device, int budget_bytes, "
-        "int workspace_bytes)",
-        &plan_of);
+  m.def(
+      "_plan(Tensor input, Tensor linear_weight, Tensor target, str pass_, Tensor? linear_bias=None, "
+      "Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA
+      ") -> (str pass_, str strategy, int block_rows, int tile_cols, int stats_block_rows, str logits_dtype, "
+      "str grad_input_dtype, str grad_weight_dtype, bool rank_one_smoothing, bool rows_on_device, int budget_bytes, "
+      "int workspace_bytes)",
+      &plan_of);
   m.def("_embedded_archs() -> int[]", &embedded_archs);
   m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
 }
@@ -206,8 +202,7 @@ TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCUDA, m) {
-  m.impl("linear_cross_entropy",
-         &linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+  m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCPU, m) {

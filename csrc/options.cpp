@@ -29,7 +29,8 @@ LossOptions LossOptions::parse(FUSED_CE_OPTION_PARAMS) {
               "linear_cross_entropy: softcap must be a finite value > 0 (or None), got ", num(softcap.value_or(0.0)));
   TORCH_CHECK(std::isfinite(logit_scale), "linear_cross_entropy: logit_scale must be finite, got ", num(logit_scale));
   TORCH_CHECK(!workspace_bytes || *workspace_bytes > 0,
-              "linear_cross_entropy: workspace_bytes must be positive (or None), got ", num(workspace_bytes.value_or(0)));
+              "linear_cross_entropy: workspace_bytes must be positive (or None), got ",
+              num(workspace_bytes.value_or(0)));
   return {parse_reduction(reduction), ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes};
 }
 

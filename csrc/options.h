@@ -11,11 +11,11 @@
 // The options in schema order. The op signatures (ops.cpp, loss.h) expand these
 // instead of spelling the options out; adding an option touches these three,
 // LossOptions (below and options.cpp) and the kernels that use it.
-#define FUSED_CE_OPTION_SCHEMA                                                                            \
-  "str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, "          \
+#define FUSED_CE_OPTION_SCHEMA                                                                   \
+  "str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, " \
   "float? softcap=None, float logit_scale=1.0, int? workspace_bytes=None"
-#define FUSED_CE_OPTION_PARAMS                                                                  \
-  c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,     \
+#define FUSED_CE_OPTION_PARAMS                                                             \
+  c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss, \
       std::optional<double> softcap, double logit_scale, std::optional<int64_t> workspace_bytes
 #define FUSED_CE_OPTION_ARGS reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes
 

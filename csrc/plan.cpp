@@ -16,7 +16,9 @@ namespace {
 constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
 constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
 
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // The plan's per-architecture constants (configs.py, ARCH_CONSTANTS, embedded
 // by the build): the device's entry, else the default (arch 0).
@@ -74,8 +76,8 @@ int64_t vocab_tile_cols(const Problem& p, const ArchConstants& arch, int64_t bud
   const double dw_traffic_s = static_cast<double>(blocks - 1) * 2.0 * p.V * p.D * elem / arch.memory_bytes_per_s;
   const double gemm_pass_s = 2.0 * p.N * p.D * p.V / arch.gemm_flops_per_s;
   if (dw_traffic_s <= gemm_pass_s) return 0;
-  const int64_t cols = budget / (std::min<int64_t>(p.N, arch.vocab_tile_rows) * elem) / arch.gemm_tile_rows *
-                       arch.gemm_tile_rows;
+  const int64_t cols =
+      budget / (std::min<int64_t>(p.N, arch.vocab_tile_rows) * elem) / arch.gemm_tile_rows * arch.gemm_tile_rows;
   return cols >= 4 * arch.gemm_tile_rows && cols < p.V ? cols : 0;
 }
 
@@ -104,8 +106,8 @@ void plan_aten_chunks(Plan& plan, const Problem& p) {
 void plan_dot_tile_grads(Plan& plan, const Problem& p) {
   const int64_t elem = c10::elementSize(p.x.scalar_type());
   constexpr int64_t quantum = 256;
-  const int64_t cols = std::max<int64_t>(quantum, plan.budget_bytes / std::max<int64_t>(1, p.N * elem) / quantum *
-                                                       quantum);
+  const int64_t cols =
+      std::max<int64_t>(quantum, plan.budget_bytes / std::max<int64_t>(1, p.N * elem) / quantum * quantum);
   plan.tile_cols = std::min(cols, p.V);
   plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / (plan.tile_cols * elem), 1, p.N);
   plan.grad_input_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.V, plan.tile_cols));
@@ -153,7 +155,8 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
     plan.stats_block_rows = rows;
     plan.block_rows = balanced_block_rows(p.N, std::min<int64_t>(p.N, arch.vocab_tile_rows), arch.gemm_tile_rows);
     plan.tile_cols = cols;
-    plan.workspace_bytes = std::max(rows * row_bytes, plan.block_rows * cols * int64_t{c10::elementSize(p.x.scalar_type())});
+    plan.workspace_bytes =
+        std::max(rows * row_bytes, plan.block_rows * cols * int64_t{c10::elementSize(p.x.scalar_type())});
   } else {
     plan.strategy = Strategy::StoredLogits;
     plan.block_rows = rows;

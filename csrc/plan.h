@@ -37,9 +37,9 @@ enum class Strategy {
 struct Plan {
   Pass pass = Pass::Forward;
   Strategy strategy = Strategy::AtenChunks;
-  int64_t block_rows = 0;        // rows of logits per block
-  int64_t tile_cols = 0;         // vocabulary columns per block (V: whole rows)
-  int64_t stats_block_rows = 0;  // VocabTiles: rows per block of its stats pass; else 0
+  int64_t block_rows = 0;                    // rows of logits per block
+  int64_t tile_cols = 0;                     // vocabulary columns per block (V: whole rows)
+  int64_t stats_block_rows = 0;              // VocabTiles: rows per block of its stats pass; else 0
   at::ScalarType logits_dtype = at::kFloat;  // of the logit blocks and the GEMMs on them
   // Dtypes the gradients accumulate in across blocks (Undefined for the loss-only forward).
   at::ScalarType grad_input_dtype = at::ScalarType::Undefined;

@@ -102,8 +102,8 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
                 num(V), "], got ", shape(cw.sizes()));
     TORCH_CHECK(at::isFloatingType(cw.scalar_type()),
                 "linear_cross_entropy: weight (class weights) must be floating point, got ", name(cw.scalar_type()));
-    TORCH_CHECK(cw.device() == input.device(), "linear_cross_entropy: weight (class weights) is on ",
-                cw.device().str(), " but input is on ", input.device().str());
+    TORCH_CHECK(cw.device() == input.device(), "linear_cross_entropy: weight (class weights) is on ", cw.device().str(),
+                " but input is on ", input.device().str());
     p.class_weight = cw.to(loss_dtype(p)).contiguous();
   }
   p.target = target.reshape({p.N}).to(at::kLong).contiguous();

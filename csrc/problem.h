@@ -34,9 +34,9 @@ struct Problem {
 };
 
 struct RowStats {
-  at::Tensor lse;             // [N] float32
-  at::Tensor target_logit;    // [N] float32 (0 where the target is ignored)
-  at::Tensor weighted_z_sum;  // [N] float32, with label smoothing only: sum_c cw[c] * z[r, c]
+  at::Tensor lse;                                   // [N] float32
+  at::Tensor target_logit;                          // [N] float32 (0 where the target is ignored)
+  at::Tensor weighted_z_sum;                        // [N] float32, with label smoothing only: sum_c cw[c] * z[r, c]
   RowStats rows(int64_t begin, int64_t end) const;  // views of rows [begin, end)
 };
 

@@ -5,10 +5,13 @@
 kernels) and registers the fake kernels used by torch.compile. It never imports
 triton: the CUDA kernels are embedded cubins.
 """
+
 import torch
 
-from . import _C  # noqa: F401  (registers the ops)
-from . import _fake  # noqa: F401  (fake kernels for FakeTensor / torch.compile)
+from . import (
+    _C,  # noqa: F401  (registers the ops)
+    _fake,  # noqa: F401  (fake kernels for FakeTensor / torch.compile)
+)
 from ._version import __version__
 from .functional import Plan, linear_cross_entropy, plan
 from .modules import LinearCrossEntropyLoss

@@ -2,6 +2,7 @@
 
 The options after ``reduction`` (csrc/options.h) do not change any shape, so they pass as ``*options``.
 """
+
 import torch
 
 
@@ -10,14 +11,18 @@ def _loss_dtype(input):
 
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy")
-def _linear_cross_entropy_fake(input, linear_weight, target, linear_bias=None, weight=None, reduction="mean",
-                               *options, **keyword_options):
+def _linear_cross_entropy_fake(
+    input, linear_weight, target, linear_bias=None, weight=None, reduction="mean", *options, **keyword_options
+):
     torch._check(input.dim() >= 1, lambda: "linear_cross_entropy: input must have at least one dimension")
     torch._check(linear_weight.dim() == 2, lambda: "linear_cross_entropy: linear_weight must be 2-D [V, D]")
-    torch._check(linear_weight.shape[1] == input.shape[-1],
-                 lambda: "linear_cross_entropy: linear_weight and input disagree on D")
-    torch._check(reduction in ("mean", "sum", "none"),
-                 lambda: f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '{reduction}'")
+    torch._check(
+        linear_weight.shape[1] == input.shape[-1], lambda: "linear_cross_entropy: linear_weight and input disagree on D"
+    )
+    torch._check(
+        reduction in ("mean", "sum", "none"),
+        lambda: f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '{reduction}'",
+    )
     lse = input.new_empty(target.shape, dtype=_loss_dtype(input))
     loss = lse.new_empty(target.shape) if reduction == "none" else lse.new_empty(())
     return loss, lse
@@ -31,16 +36,29 @@ def _grads(input, linear_weight, linear_bias, output_mask):
 
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy_backward")
-def _linear_cross_entropy_backward_fake(grad_loss, grad_lse, input, linear_weight, target, linear_bias, weight, lse,
-                                        output_mask, *options, **keyword_options):
+def _linear_cross_entropy_backward_fake(
+    grad_loss,
+    grad_lse,
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    weight,
+    lse,
+    output_mask,
+    *options,
+    **keyword_options,
+):
     return _grads(input, linear_weight, linear_bias, output_mask)
 
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy_with_grad")
-def _linear_cross_entropy_with_grad_fake(input, linear_weight, target, linear_bias, weight, output_mask,
-                                         reduction="mean", *options, **keyword_options):
-    torch._check(reduction in ("mean", "sum"),
-                 lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'")
+def _linear_cross_entropy_with_grad_fake(
+    input, linear_weight, target, linear_bias, weight, output_mask, reduction="mean", *options, **keyword_options
+):
+    torch._check(
+        reduction in ("mean", "sum"), lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'"
+    )
     loss, lse = _linear_cross_entropy_fake(input, linear_weight, target, linear_bias, weight, reduction)
     return (loss, lse, *_grads(input, linear_weight, linear_bias, output_mask))
 

@@ -9,6 +9,7 @@ memory beyond the inputs and gradients of each. On CUDA the peak comes from torc
 allocator; on CPU from the process's peak resident memory, each method in a
 fresh process.
 """
+
 import argparse
 import io
 import json
@@ -19,6 +20,27 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+
+def worker_command(method, n, d, v, repeat):
+    """The command that measures one method on the CPU in a fresh process (peak resident memory is per process)."""
+    return [
+        sys.executable,
+        "-m",
+        "fused_ce.demo",
+        "--worker",
+        method,
+        "--device",
+        "cpu",
+        "--n",
+        str(n),
+        "--d",
+        str(d),
+        "--v",
+        str(v),
+        "--repeat",
+        str(repeat),
+    ]
 
 
 def inputs(n, d, v, device, dtype):
@@ -96,17 +118,19 @@ def main():
         torch.save(dict(loss=loss, gx=gx, gw=gw, sec=sec, peak=peak), sys.stdout.buffer)
         return
 
-    print(f"device {args.device}{' (' + torch.cuda.get_device_name() + ')' if gpu else ''}, "
-          f"N={n} D={d} V={v} {str(dtype).replace('torch.', '')}, forward + backward of the mean loss")
+    print(
+        f"device {args.device}{' (' + torch.cuda.get_device_name() + ')' if gpu else ''}, "
+        f"N={n} D={d} V={v} {str(dtype).replace('torch.', '')}, forward + backward of the mean loss"
+    )
     results = {}
     for name in ("pytorch", "fused_ce"):
         if gpu:
-            results[name] = dict(zip(("loss", "gx", "gw", "sec", "peak"),
-                                     run_one(name, n, d, v, args.device, dtype, args.repeat)))
+            results[name] = dict(
+                zip(("loss", "gx", "gw", "sec", "peak"), run_one(name, n, d, v, args.device, dtype, args.repeat))
+            )
             torch.cuda.empty_cache()
         else:
-            cmd = [sys.executable, "-m", "fused_ce.demo", "--worker", name, "--device", "cpu",
-                   "--n", str(n), "--d", str(d), "--v", str(v), "--repeat", str(args.repeat)]
+            cmd = worker_command(name, n, d, v, args.repeat)
             out = subprocess.run(cmd, capture_output=True, check=True)
             results[name] = torch.load(io.BytesIO(out.stdout))
 
@@ -115,15 +139,19 @@ def main():
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
 
-    print(f"loss: pytorch {ref['loss'].item():.6f}  fused_ce {ours['loss'].item():.6f}  "
-          f"(relative difference {rel(ours['loss'], ref['loss']):.1e}; dX {rel(ours['gx'], ref['gx']):.1e}, "
-          f"dW {rel(ours['gw'], ref['gw']):.1e})")
+    print(
+        f"loss: pytorch {ref['loss'].item():.6f}  fused_ce {ours['loss'].item():.6f}  "
+        f"(relative difference {rel(ours['loss'], ref['loss']):.1e}; dX {rel(ours['gx'], ref['gx']):.1e}, "
+        f"dW {rel(ours['gw'], ref['gw']):.1e})"
+    )
     print(f"{'':10} {'time ms':>10} {'peak MiB':>10}")
     for name in ("pytorch", "fused_ce"):
         r = results[name]
         print(f"{name:10} {r['sec'] * 1e3:10.1f} {r['peak'] / 2**20:10.0f}")
-    print(f"fused_ce: {ours['sec'] / ref['sec']:.2f}x pytorch's time, "
-          f"{ours['peak'] / max(ref['peak'], 1):.3f}x its extra memory")
+    print(
+        f"fused_ce: {ours['sec'] / ref['sec']:.2f}x pytorch's time, "
+        f"{ours['peak'] / max(ref['peak'], 1):.3f}x its extra memory"
+    )
     print(json.dumps({k: dict(ms=r["sec"] * 1e3, peak_mib=r["peak"] / 2**20) for k, r in results.items()}))
 
 

@@ -1,32 +1,55 @@
 """The functional front: a drop-in for ``torch.nn.functional.linear_cross_entropy``, and the plan of a call."""
-from typing import Literal, NamedTuple, Optional, Union, overload
+
+from typing import Literal, NamedTuple, overload
 
 import torch
 from torch import Tensor
+from typing_extensions import TypedDict, Unpack
 
 
 def _op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes):
     """The op's option arguments, in schema order (csrc/options.h)."""
-    return (reduction, -100 if ignore_index is None else ignore_index, float(label_smoothing), float(z_loss),
-            None if softcap is None else float(softcap), float(logit_scale), workspace_bytes)
+    return (
+        reduction,
+        -100 if ignore_index is None else ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        None if softcap is None else float(softcap),
+        float(logit_scale),
+        workspace_bytes,
+    )
+
+
+class LossKeywords(TypedDict, total=False):
+    """The keywords of :func:`linear_cross_entropy` besides ``return_lse`` (for its overloads' types)."""
+
+    linear_bias: Tensor | None
+    weight: Tensor | None
+    reduction: str
+    ignore_index: int | None
+    label_smoothing: float
+    z_loss: float
+    softcap: float | None
+    logit_scale: float
+    workspace_bytes: int | None
+    options: object
 
 
 @overload
-def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
-                         linear_bias: Optional[Tensor] = None, weight: Optional[Tensor] = None,
-                         reduction: str = "mean", ignore_index: Optional[int] = -100, label_smoothing: float = 0.0,
-                         z_loss: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
-                         return_lse: Literal[False] = False, workspace_bytes: Optional[int] = None,
-                         options=None) -> Tensor: ...
+def linear_cross_entropy(
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    return_lse: Literal[False] = False,
+    **keywords: Unpack[LossKeywords],
+) -> Tensor: ...
 
 
 @overload
-def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
-                         linear_bias: Optional[Tensor] = None, weight: Optional[Tensor] = None,
-                         reduction: str = "mean", ignore_index: Optional[int] = -100, label_smoothing: float = 0.0,
-                         z_loss: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
-                         return_lse: Literal[True], workspace_bytes: Optional[int] = None,
-                         options=None) -> tuple[Tensor, Tensor]: ...
+def linear_cross_entropy(
+    input: Tensor, linear_weight: Tensor, target: Tensor, *, return_lse: Literal[True], **keywords: Unpack[LossKeywords]
+) -> tuple[Tensor, Tensor]: ...
 
 
 def linear_cross_entropy(
@@ -34,18 +57,18 @@ def linear_cross_entropy(
     linear_weight: Tensor,
     target: Tensor,
     *,
-    linear_bias: Optional[Tensor] = None,
-    weight: Optional[Tensor] = None,
+    linear_bias: Tensor | None = None,
+    weight: Tensor | None = None,
     reduction: str = "mean",
-    ignore_index: Optional[int] = -100,
+    ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     logit_scale: float = 1.0,
     return_lse: bool = False,
-    workspace_bytes: Optional[int] = None,
+    workspace_bytes: int | None = None,
     options=None,
-) -> Union[Tensor, tuple[Tensor, Tensor]]:
+) -> Tensor | tuple[Tensor, Tensor]:
     r"""Cross entropy of ``input @ linear_weight.T (+ linear_bias)`` against ``target``, without the logits.
 
     Same arguments and semantics as :func:`torch.nn.functional.linear_cross_entropy`
@@ -79,7 +102,11 @@ def linear_cross_entropy(
         The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with ``return_lse=True``.
     """
     loss, lse = torch.ops.fused_ce.linear_cross_entropy(
-        input, linear_weight, target, linear_bias, weight,
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        weight,
         *_op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes),
     )
     if return_lse:
@@ -99,32 +126,32 @@ class Plan(NamedTuple):
     tile_cols: int  # vocabulary columns per block (V: whole rows)
     stats_block_rows: int  # "vocab_tiles": rows per block of its stats pass; else 0
     logits_dtype: torch.dtype  # of the logit blocks and the GEMMs on them
-    grad_input_dtype: Optional[torch.dtype]  # where dX accumulates across blocks (None for "forward")
-    grad_weight_dtype: Optional[torch.dtype]  # where dW accumulates across blocks
+    grad_input_dtype: torch.dtype | None  # where dX accumulates across blocks (None for "forward")
+    grad_weight_dtype: torch.dtype | None  # where dW accumulates across blocks
     rank_one_smoothing: bool  # class-weighted smoothing sums from two GEMVs instead of per logit
     rows_on_device: bool  # per-row bookkeeping in kernels (prepare_rows, assemble_loss)
     budget_bytes: int  # workspace_bytes, or the device's default
     workspace_bytes: int  # bytes of logit blocks (and their partials) held at once
 
 
-def plan(input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Optional[Tensor] = None,
-         weight: Optional[Tensor] = None, reduction: str = "mean", ignore_index: Optional[int] = -100,
-         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
-         logit_scale: float = 1.0, workspace_bytes: Optional[int] = None, pass_: Optional[str] = None) -> Plan:
-    """The plan :func:`linear_cross_entropy` follows for these arguments, without running it.
+def plan(
+    input: Tensor, linear_weight: Tensor, target: Tensor, *, pass_: str | None = None, **keywords: Unpack[LossKeywords]
+) -> Plan:
+    """The plan :func:`linear_cross_entropy` follows for these arguments (its keywords), without running it.
 
     ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
     gradients, else "forward"; a per-row loss or a gradient through the lse also runs "backward" later.
     The plan depends on shapes, dtypes, strides and device, not on values: expanded tensors serve.
     """
+    keywords.pop("options", None)
+    if keywords.get("ignore_index", -100) is None:
+        keywords["ignore_index"] = -100
     if pass_ is None:
+        bias = keywords.get("linear_bias")
         differentiable = torch.is_grad_enabled() and (
-            input.requires_grad or linear_weight.requires_grad
-            or (linear_bias is not None and linear_bias.requires_grad))
-        pass_ = "forward_with_grad" if differentiable and reduction != "none" else "forward"
-    fields = torch.ops.fused_ce._plan(
-        input, linear_weight, target, linear_bias, weight, pass_,
-        *_op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes),
-    )
+            input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
+        )
+        pass_ = "forward_with_grad" if differentiable and keywords.get("reduction", "mean") != "none" else "forward"
+    fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, **keywords)
     values = [_DTYPES.get(v) if name.endswith("dtype") else v for name, v in zip(Plan._fields, fields)]
     return Plan(*values)

@@ -1,42 +1,58 @@
 """The module front: a drop-in for ``torch.nn.LinearCrossEntropyLoss``."""
-from typing import Optional
+
+import inspect
 
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from .functional import linear_cross_entropy
+from .functional import LossKeywords, linear_cross_entropy
+
+# The loss keywords a module keeps as attributes, with linear_cross_entropy's defaults; its linear layer
+# supplies linear_bias, and `weight` (class weights) is a buffer.
+_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(linear_cross_entropy).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name not in ("linear_bias", "options")
+}
 
 
 class LinearCrossEntropyLoss(nn.Module):
     """A linear layer (``.linear``, weight ``[num_classes, in_features]``) followed by cross entropy.
 
     ``forward(input, target)`` returns the loss of ``.linear(input)`` against ``target`` without
-    materialising the logits. The keywords are those of :func:`fused_ce.linear_cross_entropy`.
+    materialising the logits. The keywords are those of :func:`fused_ce.linear_cross_entropy`, kept as
+    attributes of the same names (``weight``, the class weights, as a buffer).
     """
 
-    def __init__(self, in_features: int, num_classes: int, *, bias: bool = False, device=None, dtype=None,
-                 reduction: str = "mean", weight: Optional[Tensor] = None, ignore_index: Optional[int] = -100,
-                 label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
-                 logit_scale: float = 1.0, return_lse: bool = False, workspace_bytes: Optional[int] = None):
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        *,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        return_lse: bool = False,
+        **keywords: Unpack[LossKeywords],
+    ):
         super().__init__()
+        unknown = set(keywords) - set(_DEFAULTS)
+        if unknown:
+            raise TypeError(f"LinearCrossEntropyLoss got unexpected keyword arguments {sorted(unknown)}")
         self.linear = nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
-        self.register_buffer("weight", weight)
-        self.reduction = reduction
-        self.ignore_index = -100 if ignore_index is None else ignore_index
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
-        self.logit_scale = logit_scale
-        self.return_lse = return_lse
-        self.workspace_bytes = workspace_bytes
+        options = {**_DEFAULTS, **keywords, "return_lse": return_lse}
+        self.register_buffer("weight", options.pop("weight"))
+        if options["ignore_index"] is None:
+            options["ignore_index"] = -100
+        for name, value in options.items():
+            setattr(self, name, value)
 
     def forward(self, input: Tensor, target: Tensor):
-        return linear_cross_entropy(
-            input, self.linear.weight, target, linear_bias=self.linear.bias, weight=self.weight,
-            reduction=self.reduction, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss, softcap=self.softcap, logit_scale=self.logit_scale, return_lse=self.return_lse,
-            workspace_bytes=self.workspace_bytes,
-        )
+        keywords = {name: getattr(self, name) for name in _DEFAULTS}
+        return linear_cross_entropy(input, self.linear.weight, target, linear_bias=self.linear.bias, **keywords)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.linear.in_features}, num_classes={self.linear.out_features}, "
-                f"bias={self.linear.bias is not None}, reduction={self.reduction!r}")
+        return (
+            f"in_features={self.linear.in_features}, num_classes={self.linear.out_features}, "
+            f"bias={self.linear.bias is not None}, reduction={self.reduction!r}"
+        )

@@ -1,4 +1,5 @@
 """What the test modules share besides the reference (reference.py): the devices they run on."""
+
 import torch
 
 HAS_CUDA = torch.cuda.is_available()

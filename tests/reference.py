@@ -1,11 +1,25 @@
 """The plain PyTorch reference the op is tested against, and error measures."""
+
 import torch
 import torch.nn.functional as F
 
 
-def reference_loss(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
-                   ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, logit_scale=1.0,
-                   upcast=True, return_lse=False):
+def reference_loss(
+    input,
+    linear_weight,
+    target,
+    *,
+    linear_bias=None,
+    weight=None,
+    reduction="mean",
+    ignore_index=-100,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    logit_scale=1.0,
+    upcast=True,
+    return_lse=False,
+):
     """F.linear + F.cross_entropy, plus the formulas of the extra keywords.
 
     With ``upcast`` the logits are taken to float32 after the linear layer (what
@@ -18,9 +32,14 @@ def reference_loss(input, linear_weight, target, *, linear_bias=None, weight=Non
         logits = softcap * torch.tanh(logits / softcap)
     flat = logits.reshape(-1, logits.shape[-1])
     tflat = target.reshape(-1)
-    loss = F.cross_entropy(flat, tflat, weight=None if weight is None else weight.to(flat.dtype),
-                           ignore_index=ignore_index, reduction="none" if reduction == "none" else reduction,
-                           label_smoothing=label_smoothing)
+    loss = F.cross_entropy(
+        flat,
+        tflat,
+        weight=None if weight is None else weight.to(flat.dtype),
+        ignore_index=ignore_index,
+        reduction="none" if reduction == "none" else reduction,
+        label_smoothing=label_smoothing,
+    )
     lse = flat.logsumexp(-1)
     if z_loss:
         valid = (tflat != ignore_index).to(lse.dtype)

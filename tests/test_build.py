@@ -1,4 +1,5 @@
 """What the build produced: embedded cubins per architecture; no triton at import."""
+
 import importlib
 import inspect
 import os
@@ -54,7 +55,7 @@ def test_spec_matches_kernel(kernel):
     names = spec.param_names()
     assert list(fn.arg_names[: len(names)]) == names
     annotations = [p.annotation for p in inspect.signature(getattr(fn, "fn", fn)).parameters.values()]
-    assert all("constexpr" in str(a) for a in annotations[len(names):]), annotations
+    assert all("constexpr" in str(a) for a in annotations[len(names) :]), annotations
     assert spec.divisible_by_16 <= set(names) and spec.unit_stride <= set(names)
     configs.config(spec.family, 90, "bf16")  # a configuration family that exists
 
@@ -85,4 +86,3 @@ def test_aligned_memory_bound_kernels_vectorise(kernel):
     assert "ld.global.v4" in ptx and "ld.global.b16" not in ptx
     if kernel != "logit_partials":  # it stores per-row partials only
         assert "st.global.v4" in ptx and "st.global.b16" not in ptx
-

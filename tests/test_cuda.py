@@ -1,4 +1,5 @@
 """CUDA-only behaviour: the embedded kernels run (not the fallback), streams, big shapes."""
+
 import os
 import subprocess
 import sys
@@ -6,9 +7,9 @@ import warnings
 
 import pytest
 import torch
+from reference import make_problem, reference_loss, rel_err
 
 import fused_ce
-from reference import make_problem, reference_loss, rel_err
 
 pytestmark = pytest.mark.cuda
 
@@ -25,8 +26,7 @@ def kernel_names(fn):
 STRATEGY_KERNELS = {
     ("forward", "stored_logits"): {"logit_partials_kernel", "combine_partials_kernel"},
     ("forward", "dot_tiles"): {"row_stats_kernel"},
-    ("forward_with_grad", "stored_logits"): {"logit_partials_kernel", "combine_partials_kernel",
-                                             "softmax_grad_kernel"},
+    ("forward_with_grad", "stored_logits"): {"logit_partials_kernel", "combine_partials_kernel", "softmax_grad_kernel"},
     ("forward_with_grad", "dot_tiles"): {"row_stats_kernel", "logit_grad_kernel"},
     ("backward", "dot_tiles"): {"logit_grad_kernel"},
 }
@@ -44,10 +44,14 @@ def test_executors_follow_the_plan(dtype, aligned):
     stored = "dot_tiles" if dtype == torch.float16 else "stored_logits"
     runs = {  # name: (passes and their expected strategies, the call)
         "loss only": ([("forward", stored)], lambda: fused_ce.linear_cross_entropy(x.detach(), w.detach(), t)),
-        "scalar loss, backward": ([("forward_with_grad", stored)],
-                                  lambda: fused_ce.linear_cross_entropy(x, w, t).backward()),
-        "per-row loss, backward": ([("forward", stored), ("backward", "dot_tiles")],
-                                   lambda: fused_ce.linear_cross_entropy(x, w, t, reduction="none").sum().backward()),
+        "scalar loss, backward": (
+            [("forward_with_grad", stored)],
+            lambda: fused_ce.linear_cross_entropy(x, w, t).backward(),
+        ),
+        "per-row loss, backward": (
+            [("forward", stored), ("backward", "dot_tiles")],
+            lambda: fused_ce.linear_cross_entropy(x, w, t, reduction="none").sum().backward(),
+        ),
     }
     for name, (passes, run) in runs.items():
         reduction = "none" if name.startswith("per-row") else "mean"
@@ -79,8 +83,14 @@ def test_scalar_loss_step_runs_no_aten_kernels(dtype):
     x.grad = w.grad = None
     names = kernel_names(lambda: fused_ce.linear_cross_entropy(x, w, t).backward(one))
     assert not [n for n in names if "at::native" in n], sorted(names)
-    for kernel in ("prepare_rows_kernel", "logit_partials_kernel", "combine_partials_kernel", "softmax_grad_kernel",
-                   "assemble_loss_kernel", "scale_kernel"):
+    for kernel in (
+        "prepare_rows_kernel",
+        "logit_partials_kernel",
+        "combine_partials_kernel",
+        "softmax_grad_kernel",
+        "assemble_loss_kernel",
+        "scale_kernel",
+    ):
         assert any(kernel in n for n in names), (kernel, sorted(names))
 
 
@@ -104,9 +114,15 @@ def test_scale_grad_skips_unit_scale(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("features", [{}, {"label_smoothing": 0.2, "z_loss": 1e-3},
-                                      {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 5.0, "logit_scale": 0.9}],
-                         ids=["plain", "smoothing", "softcap"])
+@pytest.mark.parametrize(
+    "features",
+    [
+        {},
+        {"label_smoothing": 0.2, "z_loss": 1e-3},
+        {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 5.0, "logit_scale": 0.9},
+    ],
+    ids=["plain", "smoothing", "softcap"],
+)
 def test_lean_workspace_takes_vocabulary_tiles(dtype, features):
     # A workspace that holds only a few hundred whole rows: many row blocks would re-read dW once each, so the
     # plan takes 2-D tiles (2048 rows x a vocabulary slice) after a stats pass.
@@ -192,8 +208,10 @@ def test_other_device_index_and_cpu_tensors_rejected():
         fused_ce.linear_cross_entropy(x, w.cpu(), t)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 60 * 2**30,
-                    reason="needs ~40 GiB of GPU memory")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 60 * 2**30,
+    reason="needs ~40 GiB of GPU memory",
+)
 def test_llama3_shape_bf16_against_float32():
     """N=16384, D=4096, V=128256 in bf16 against a float32 reference: errors within 1.5x of torch bf16's."""
     N, D, V = 16384, 4096, 128256

@@ -1,11 +1,11 @@
 """Autograd paths, dtypes, autocast, float16 range and determinism."""
+
 import pytest
 import torch
-
-import fused_ce
 from helpers import DEVICES
 from reference import make_problem, reference_loss, rel_err
 
+import fused_ce
 
 
 def leaves(*ts):
@@ -42,8 +42,9 @@ def test_class_weighted_smoothing_without_softcap(device, dtype, reduction):
     # updates): loss-only forward and forward with gradient, over several blocks.
     x, w, t, b = make_problem(90, 64, 700, dtype=dtype, device=device, bias=True)
     cw = torch.rand(700, device=device) + 0.5
-    kw = dict(weight=cw, label_smoothing=0.2, z_loss=1e-3, logit_scale=0.8, reduction=reduction,
-              workspace_bytes=32 * 700 * 4)
+    kw = dict(
+        weight=cw, label_smoothing=0.2, z_loss=1e-3, logit_scale=0.8, reduction=reduction, workspace_bytes=32 * 700 * 4
+    )
     xl, wl, bl = leaves(x, w, b)
     loss = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=bl, **kw)
     loss.backward()

@@ -1,19 +1,29 @@
 """The op under torch.library.opcheck, torch.compile, TorchScript and torch.export."""
+
 import pytest
 import torch
-
-import fused_ce
 from helpers import DEVICES
 from reference import make_problem, reference_loss, rel_err
 
+import fused_ce
+
+
+def float64_reference(x, w, t, b, **kwargs):
+    """Leaves x, w, b in float64 and reference_loss of them."""
+    leaves = [v.double().requires_grad_() for v in (x, w, b)]
+    return leaves, reference_loss(leaves[0], leaves[1], t, linear_bias=leaves[2], **kwargs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kw", [
-    dict(reduction="mean"),
-    dict(reduction="none", linear_bias=True),
-    dict(reduction="sum", weight=True, label_smoothing=0.1, z_loss=1e-3, softcap=3.0, logit_scale=0.7),
-], ids=["mean", "none-bias", "sum-features"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(reduction="mean"),
+        dict(reduction="none", linear_bias=True),
+        dict(reduction="sum", weight=True, label_smoothing=0.1, z_loss=1e-3, softcap=3.0, logit_scale=0.7),
+    ],
+    ids=["mean", "none-bias", "sum-features"],
+)
 def test_opcheck(device, kw):
     x, w, t, b = make_problem(24, 16, 40, device=device, bias=True)
     kwargs = dict(kw)
@@ -85,9 +95,9 @@ def test_torchscript_save_load_backward(device, tmp_path):
     leaves = [v.clone().requires_grad_() for v in (x, w, b)]
     out = loaded(leaves[0], leaves[1], t, leaves[2])
     out.backward()
-    ref_leaves = [v.double().requires_grad_() for v in (x, w, b)]
-    ref_loss, ref_lse = reference_loss(ref_leaves[0], ref_leaves[1], t, linear_bias=ref_leaves[2],
-                                       label_smoothing=0.1, z_loss=1e-3, softcap=5.0, return_lse=True)
+    ref_leaves, (ref_loss, ref_lse) = float64_reference(
+        x, w, t, b, label_smoothing=0.1, z_loss=1e-3, softcap=5.0, return_lse=True
+    )
     ref = ref_loss + 0.01 * ref_lse.mean()
     ref.backward()
     assert rel_err(out, ref) < 1e-5
@@ -163,10 +173,19 @@ def test_torchscript_all_keywords(device, tmp_path):
     leaves = [v.clone().requires_grad_() for v in (x, w, b)]
     out = loaded(leaves[0], leaves[1], t, leaves[2], cw)
     out.backward()
-    ref_leaves = [v.double().requires_grad_() for v in (x, w, b)]
-    ref_loss, ref_lse = reference_loss(ref_leaves[0], ref_leaves[1], t, linear_bias=ref_leaves[2], weight=cw,
-                                       reduction="none", label_smoothing=0.1, z_loss=1e-3, softcap=5.0,
-                                       logit_scale=0.7, return_lse=True)
+    ref_leaves, (ref_loss, ref_lse) = float64_reference(
+        x,
+        w,
+        t,
+        b,
+        weight=cw,
+        reduction="none",
+        label_smoothing=0.1,
+        z_loss=1e-3,
+        softcap=5.0,
+        logit_scale=0.7,
+        return_lse=True,
+    )
     ref = ref_loss.sum() + 0.01 * ref_lse.sum()
     ref.backward()
     assert rel_err(out, ref) < 1e-5

@@ -4,13 +4,15 @@ The same sources are compiled to the embedded cubins. Without a GPU (CI) they ru
 in triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET);
 fp16/fp32 only, since the interpreter's tl.dot mishandles bf16.
 """
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 from helpers import KERNEL_DEVICE as DEVICE  # noqa: E402
-from fused_ce.kernels import configs, jit  # noqa: E402
 from reference import make_problem  # noqa: E402
+
+from fused_ce.kernels import configs, jit  # noqa: E402
 
 
 def transformed_logits(x, w, b, scale, softcap):
@@ -25,8 +27,9 @@ def transformed_logits(x, w, b, scale, softcap):
 
 def case_inputs(case):
     """x, w, target (-1 where ignored), bias, class weights, logit_scale, softcap of a case."""
-    x, w, t, b = make_problem(case["N"], case["D"], case["V"], dtype=case["dtype"], bias=case.get("bias", False),
-                              device=DEVICE)
+    x, w, t, b = make_problem(
+        case["N"], case["D"], case["V"], dtype=case["dtype"], bias=case.get("bias", False), device=DEVICE
+    )
     cw = torch.rand(case["V"], device=DEVICE) if case.get("class_weight") else None
     return x, w, torch.where(t < 0, -1, t), b, cw, case.get("scale", 1.0), case.get("softcap")
 
@@ -41,8 +44,17 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
 def test_row_stats(case):
     x, w, t, b, cw, scale, cap = case_inputs(case)
-    lse, zt, wz = jit.row_stats(x, w, t, bias=b, class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True,
-                                num_splits=case.get("splits", 2))
+    lse, zt, wz = jit.row_stats(
+        x,
+        w,
+        t,
+        bias=b,
+        class_weight=cw,
+        logit_scale=scale,
+        softcap=cap,
+        smoothing=True,
+        num_splits=case.get("splits", 2),
+    )
     z = transformed_logits(x, w, b, scale, cap)
     valid = t >= 0
     ref_zt = torch.where(valid, z.gather(1, t.clamp_min(0)[:, None])[:, 0], 0.0)
@@ -61,8 +73,9 @@ def test_logit_grad(case):
     alpha, beta, gamma = (torch.rand(N, device=DEVICE) * s for s in (1.0, 1.0, 0.01))
     v0, v1 = 5, V - 3  # a column slice, as the backward's blocks are
     alpha_lse = torch.rand(N, device=DEVICE) * 0.1
-    g = jit.logit_grad(x, w, t, lse, alpha, alpha_lse, beta, gamma, v0, v1, bias=b, class_weight=cw,
-                       logit_scale=scale, softcap=cap)
+    g = jit.logit_grad(
+        x, w, t, lse, alpha, alpha_lse, beta, gamma, v0, v1, bias=b, class_weight=cw, logit_scale=scale, softcap=cap
+    )
     alpha = alpha + alpha_lse * lse
     p = (z - z.logsumexp(1, keepdim=True)).exp()
     onehot = torch.zeros(N, V, dtype=torch.float64, device=DEVICE)
@@ -150,11 +163,21 @@ def test_softmax_grad_on_vocabulary_slices(case):
     edges = [0, V // 3, V // 3 + 1, V]  # uneven slices, one a single column
     for v0, v1 in zip(edges[:-1], edges[1:]):
         part = torch.full((N, v1 - v0 + 5), float("nan"), dtype=x.dtype, device=DEVICE)  # padded rows
-        part[:, :v1 - v0] = raw[:, v0:v1]
-        jit.softmax_grad(part[:, :v1 - v0], t, lse, alpha, alpha_lse, beta, gamma, col_offset=v0,
-                         class_weight=None if cw is None else cw[v0:v1], **kw)
-        assert torch.equal(part[:, :v1 - v0], whole[:, v0:v1]), (v0, v1)
-        assert torch.isnan(part[:, v1 - v0:]).all()
+        part[:, : v1 - v0] = raw[:, v0:v1]
+        jit.softmax_grad(
+            part[:, : v1 - v0],
+            t,
+            lse,
+            alpha,
+            alpha_lse,
+            beta,
+            gamma,
+            col_offset=v0,
+            class_weight=None if cw is None else cw[v0:v1],
+            **kw,
+        )
+        assert torch.equal(part[:, : v1 - v0], whole[:, v0:v1]), (v0, v1)
+        assert torch.isnan(part[:, v1 - v0 :]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -177,8 +200,9 @@ def test_prepare_rows_and_assemble_loss(class_weight, reduction):
     t[::5] = ignore
     cw = torch.rand(V, device=DEVICE) + 0.5 if class_weight else None
     eps, z = 0.1, 1e-2
-    tgt, wt, totals, bad, coef = jit.prepare_rows(t, V, ignore, class_weight=cw, label_smoothing=eps, z_loss=z,
-                                                  mean=reduction == "mean", coefficients=True)
+    tgt, wt, totals, bad, coef = jit.prepare_rows(
+        t, V, ignore, class_weight=cw, label_smoothing=eps, z_loss=z, mean=reduction == "mean", coefficients=True
+    )
     valid = t != ignore
     assert bad == 0
     assert torch.equal(tgt, torch.where(valid, t, -1))
@@ -188,8 +212,12 @@ def test_prepare_rows_and_assemble_loss(class_weight, reduction):
     torch.testing.assert_close(totals, torch.stack([ref_wt.sum(), valid.sum().float(), cw_sum]))
     g_ce = 1 / ref_wt.sum() if reduction == "mean" else 1.0
     g_z = 1 / valid.sum() if reduction == "mean" else 1.0
-    expected = (g_ce * ((1 - eps) * ref_wt + eps / V * cw_sum * valid), 2 * z * g_z * valid,
-                g_ce * (1 - eps) * ref_wt, g_ce * eps / V * valid.float())
+    expected = (
+        g_ce * ((1 - eps) * ref_wt + eps / V * cw_sum * valid),
+        2 * z * g_z * valid,
+        g_ce * (1 - eps) * ref_wt,
+        g_ce * eps / V * valid.float(),
+    )
     for c, e in zip(coef, expected):
         torch.testing.assert_close(c, e.float())
     # the loss from random row statistics, against the same formula in torch
@@ -198,8 +226,11 @@ def test_prepare_rows_and_assemble_loss(class_weight, reduction):
     loss = jit.assemble_loss(lse, zt, wz, tgt, wt, totals, V, label_smoothing=eps, z_loss=z, reduction=reduction)
     per_row = (1 - eps) * ref_wt * (lse - zt) + eps / V * valid * (cw_sum * lse - wz)
     z_term = z * valid * lse**2
-    ref = {"none": per_row + z_term, "sum": per_row.sum() + z_term.sum(),
-           "mean": per_row.sum() / ref_wt.sum() + z_term.sum() / valid.sum()}[reduction]
+    ref = {
+        "none": per_row + z_term,
+        "sum": per_row.sum() + z_term.sum(),
+        "mean": per_row.sum() / ref_wt.sum() + z_term.sum() / valid.sum(),
+    }[reduction]
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -1,10 +1,11 @@
 """The op against the PyTorch reference, on CPU and (where present) CUDA."""
+
 import pytest
 import torch
-
-import fused_ce
 from helpers import DEVICES
 from reference import make_problem, reference_loss, rel_err
+
+import fused_ce
 
 REDUCTIONS = ["mean", "sum", "none"]
 

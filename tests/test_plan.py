@@ -3,6 +3,7 @@
 Plans depend on shapes, dtypes, strides and the device, not on values, so the big
 shapes are expanded one-element tensors.
 """
+
 import pytest
 import torch
 
@@ -73,8 +74,12 @@ cuda = pytest.mark.cuda
 @pytest.mark.parametrize("shape, rows", [(A, 2048), (B, 1024), (C, 2048)])
 def test_default_bf16_training_stores_logits(shape, rows):
     plan = fused_ce.plan(*expanded(*shape, torch.bfloat16, "cuda", grad=True))
-    assert (plan.pass_, plan.strategy, plan.block_rows, plan.tile_cols) == ("forward_with_grad", "stored_logits",
-                                                                            rows, shape[2])
+    assert (plan.pass_, plan.strategy, plan.block_rows, plan.tile_cols) == (
+        "forward_with_grad",
+        "stored_logits",
+        rows,
+        shape[2],
+    )
     assert plan.logits_dtype == plan.grad_input_dtype == plan.grad_weight_dtype == torch.bfloat16
     assert plan.rows_on_device and plan.budget_bytes == 504 * MiB
     assert plan.workspace_bytes <= plan.budget_bytes

@@ -9,6 +9,7 @@ order: deterministic.
 """
 import triton
 import triton.language as tl
+
 from .spec import KernelSpec
 
 SPEC = KernelSpec(

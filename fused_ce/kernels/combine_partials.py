@@ -9,8 +9,8 @@ result is deterministic.
 import triton
 import triton.language as tl
 
-from .tile import load_logits
 from .spec import KernelSpec
+from .tile import load_logits
 
 SPEC = KernelSpec(
     "combine_partials",

@@ -10,13 +10,29 @@ import triton
 
 from . import (
     assemble_loss as _assemble_loss,
+)
+from . import (
     combine_partials as _combine_partials,
+)
+from . import (
     configs,
+)
+from . import (
     logit_grad as _logit_grad,
+)
+from . import (
     logit_partials as _logit_partials,
+)
+from . import (
     prepare_rows as _prepare_rows,
+)
+from . import (
     row_stats as _row_stats,
+)
+from . import (
     scale as _scale,
+)
+from . import (
     softmax_grad as _softmax_grad,
 )
 
@@ -106,6 +122,12 @@ def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end,
     return out
 
 
+def _tile_meta(cfg, logits):
+    """Launch metadata of the kernels over tiles of stored logits."""
+    return dict(BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
 def _transform_args(logits, logit_scale, softcap, smoothing):
     return dict(logits_ptr=logits, stride_ln=logits.stride(0), logit_scale=float(logit_scale),
                 softcap=float(softcap or 1.0), has_softcap=int(softcap is not None), has_smoothing=int(smoothing))
@@ -125,8 +147,7 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
             dict(cw_ptr=_placeholder(target, class_weight), pm_ptr=partials[0], ps_ptr=partials[1],
                  pw_ptr=partials[2], N=N, V=V, segments=segments, has_class_weight=int(class_weight is not None),
                  **common),
-            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            **_tile_meta(cfg, logits))
     stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
     common.pop("has_smoothing")
     _launch(_combine_partials, (triton.cdiv(N, combine_cfg.rows),),
@@ -150,8 +171,7 @@ def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offs
                  alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, N=N, V=V, segments=segments,
                  col_offset=col_offset, has_class_weight=int(class_weight is not None),
                  **_transform_args(logits, logit_scale, softcap, smoothing)),
-            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            **_tile_meta(cfg, logits))
     return logits
 
 

@@ -15,8 +15,8 @@ The caller multiplies g back through w and x with GEMMs.
 import triton
 import triton.language as tl
 
-from .tile import logits_tile, tile_coords, transform_logits
 from .spec import XW_DIVISIBLE_BY_16, XW_PARAMS, XW_UNIT_STRIDE, KernelSpec
+from .tile import logits_tile, tile_coords, transform_logits
 
 SPEC = KernelSpec(
     "logit_grad",

@@ -11,8 +11,8 @@ bandwidth. combine_partials.py reduces the segments.
 import triton
 import triton.language as tl
 
-from .tile import load_logits
 from .spec import KernelSpec
+from .tile import load_logits
 
 SPEC = KernelSpec(
     "logit_partials",

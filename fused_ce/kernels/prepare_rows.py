@@ -17,6 +17,7 @@ kernels for this bookkeeping (each one's first launch costs milliseconds).
 """
 import triton
 import triton.language as tl
+
 from .spec import KernelSpec
 
 

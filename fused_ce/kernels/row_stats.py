@@ -10,8 +10,8 @@ partials (``[num_splits, N]`` each) are combined by the caller:
 import triton
 import triton.language as tl
 
-from .tile import logits_tile, tile_coords, transform_logits
 from .spec import XW_DIVISIBLE_BY_16, XW_PARAMS, XW_UNIT_STRIDE, KernelSpec
+from .tile import logits_tile, tile_coords, transform_logits
 
 SPEC = KernelSpec(
     "row_stats",

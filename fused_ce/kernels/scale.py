@@ -6,6 +6,7 @@ no pass over the gradients and no host synchronisation to find that out.
 """
 import triton
 import triton.language as tl
+
 from .spec import KernelSpec
 
 SPEC = KernelSpec(

@@ -14,8 +14,8 @@ in L2.
 import triton
 import triton.language as tl
 
-from .tile import load_logits
 from .spec import KernelSpec
+from .tile import load_logits
 
 SPEC = KernelSpec(
     "softmax_grad",

@@ -1,0 +1,80 @@
+"""What the benchmark scripts share: the shapes, the H200's rate, inputs, timing, the environment, the plan.
+
+Run the scripts as ``python benchmarks/NAME.py``: their own folder is then on sys.path.
+"""
+
+import argparse
+import math
+import os
+import platform
+import statistics
+from datetime import date
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # name: (N, D, V)
+    "A": (16384, 4096, 128256),  # Llama-3 8B
+    "B": (8192, 2304, 256000),  # Gemma-2 2B
+    "C": (4096, 4096, 128256),
+}
+PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
+
+
+def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    x = torch.randn(N, D, device=device, dtype=dtype, generator=g)
+    w = (torch.randn(V, D, device=device, generator=g) / math.sqrt(D)).to(dtype)
+    t = torch.randint(0, V, (N,), device=device, generator=g)
+    t[torch.rand(N, device=device, generator=g) < 0.1] = -100
+    return x, w, t
+
+
+def cuda_time_ms(fn, warmup, repeat):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def environment():
+    import triton  # only to report the version the peers use
+
+    return dict(
+        date=str(date.today()),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+    )
+
+
+def plan_summary(x, w, t, **kwargs):
+    """fused_ce's plan of a training step with these inputs, in one line (fused_ce.plan)."""
+    import fused_ce
+
+    p = fused_ce.plan(x.detach().requires_grad_(), w.detach().requires_grad_(), t, **kwargs)
+    tiles = f" x {p.tile_cols} cols" if p.tile_cols != w.shape[0] else ""
+    stats = f", stats pass {p.stats_block_rows} rows" if p.stats_block_rows else ""
+    return (
+        f"{p.pass_}: {p.strategy}, {p.block_rows} rows{tiles}{stats}, workspace "
+        f"{p.workspace_bytes / 2**20:.0f}/{p.budget_bytes / 2**20:.0f} MiB"
+    )
+
+
+def shape_parser(doc, repeat):
+    """An argument parser with --shape, --warmup, --repeat and --out (results/, or $OUT on the device)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shape", default="A")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    return parser
