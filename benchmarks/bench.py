@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, plan_summary
 
 

@@ -11,9 +11,9 @@ import statistics
 from pathlib import Path
 
 import torch
-from common import SHAPES, cuda_time_ms, environment, make_inputs, shape_parser
 
 import fused_ce
+from common import SHAPES, cuda_time_ms, environment, make_inputs, shape_parser
 
 
 def features(V, device):

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import torch
+
 from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, plan_summary
 
 BLOCKING_CALLS = (

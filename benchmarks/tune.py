@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from common import SHAPES, cuda_time_ms, environment, make_inputs, shape_parser
 
 ROW_STATS = [  # block_n, block_v, block_d, group_n, num_warps, num_stages

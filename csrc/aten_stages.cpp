@@ -61,6 +61,10 @@ at::Tensor finish_grad(at::Tensor g, const Problem& p, const GradCoefficients& c
   }
   if (dcap.defined()) g.mul_(dcap);
   if (p.logit_scale != 1.0) g.mul_(p.logit_scale);
+  // Rows with no coefficient (ignored ones) get exactly 0, also where their logits are NaN or inf.
+  const at::Tensor inactive =
+      c.alpha.eq(0).logical_and_(c.alpha_lse.eq(0)).logical_and_(c.beta.eq(0)).logical_and_(c.gamma.eq(0));
+  g.masked_fill_(inactive.unsqueeze(1), 0);
   return g;
 }
 

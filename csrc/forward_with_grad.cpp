@@ -11,6 +11,19 @@
 namespace fused_ce {
 namespace {
 
+// x.T @ gamma over the rows whose gamma is not 0, a block of rows at a time: a row left out (an ignored
+// one) must not bring in a NaN or inf of its own (0 * NaN is NaN).
+at::Tensor counted_rows_t_times(const at::Tensor& x, const at::Tensor& gamma, int64_t block_rows) {
+  at::Tensor sum = at::zeros({x.size(1)}, x.options().dtype(at::kFloat));
+  for (int64_t r0 = 0; r0 < x.size(0); r0 += block_rows) {
+    const int64_t rows = std::min(x.size(0) - r0, block_rows);
+    const at::Tensor g = gamma.narrow(0, r0, rows);
+    const at::Tensor xr = x.narrow(0, r0, rows).masked_fill(g.eq(0).unsqueeze(1), 0);
+    sum.add_(at::mv(xr.t(), g.to(x.scalar_type())));
+  }
+  return sum.to(x.scalar_type());
+}
+
 Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
   const auto opts = p.x.options();
   Grads g;
@@ -48,7 +61,8 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     u = class_weighted_w(p);
     neg_gamma = c.gamma * -p.logit_scale;  // [N] float32
     s.weighted_z_sum = weighted_z_sum(p, u);
-    if (need[1]) g.weight = at::outer(p.class_weight.to(gemm_dtype), at::mv(x.t(), neg_gamma.to(gemm_dtype)));
+    if (need[1])
+      g.weight = at::outer(p.class_weight.to(gemm_dtype), counted_rows_t_times(x, neg_gamma, plan.block_rows));
     if (need[2]) g.bias.add_(p.class_weight * neg_gamma.sum());
   }
   const int64_t rows = plan.block_rows;

@@ -18,8 +18,10 @@ at::Tensor class_weight_sum(const Problem& p) {
                                   : at::scalar_tensor(static_cast<double>(p.V), p.x.options().dtype(loss_dtype(p)));
 }
 
-at::Tensor safe_reciprocal(const at::Tensor& s) {
-  return at::where(s.gt(0), s.reciprocal(), at::zeros_like(s));
+// 1 / sum for 'mean' as torch divides: by the signed sum of the counted rows' weights (a zero sum gives
+// inf and so NaN gradients), and by nothing when no row is counted (the loss is NaN, the gradients 0).
+at::Tensor mean_reciprocal(const at::Tensor& sum, const at::Tensor& counted) {
+  return at::where(counted.gt(0), sum.reciprocal(), at::zeros_like(sum));
 }
 
 }  // namespace
@@ -32,19 +34,24 @@ at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const Plan& pla
   }
   const auto [valid, wt] = row_weights(p);
   const double eps = o.label_smoothing;
-  at::Tensor loss = (1.0 - eps) * wt * (s.lse - s.target_logit);
-  if (o.smoothing()) {
-    loss = loss + (eps / p.V) * valid * (class_weight_sum(p) * s.lse - s.weighted_z_sum);
-  }
-  const at::Tensor z_term = o.z_loss > 0.0 ? o.z_loss * valid * s.lse.square() : at::Tensor();
+  // An ignored row contributes exactly 0, whatever its logits (NaN or inf included), as in torch.
+  const at::Tensor counted = p.target.ge(0);
+  const auto where_counted = [&](const at::Tensor& t) { return at::where(counted, t, at::zeros({}, t.options())); };
+  at::Tensor loss = where_counted((1.0 - eps) * wt * (s.lse - s.target_logit));
+  // label smoothing's term kept apart until the reduction: torch divides each by the weight sum on its own
+  const at::Tensor smooth =
+      o.smoothing() ? where_counted((eps / p.V) * (class_weight_sum(p) * s.lse - s.weighted_z_sum)) : at::Tensor();
+  const at::Tensor z_term = o.z_loss > 0.0 ? where_counted(o.z_loss * s.lse.square()) : at::Tensor();
+  const auto plus = [](at::Tensor a, const at::Tensor& b) { return b.defined() ? a + b : a; };
   switch (o.reduction) {
-    case Reduction::None:
-      if (z_term.defined()) loss = loss + z_term;
-      return loss.reshape(target_shape);
-    case Reduction::Sum: loss = loss.sum(); return z_term.defined() ? loss + z_term.sum() : loss;
-    case Reduction::Mean:  // like torch: weighted mean, NaN when nothing is counted
-      loss = loss.sum() / wt.sum();
-      return z_term.defined() ? loss + z_term.sum() / valid.sum() : loss;
+    case Reduction::None: return plus(plus(loss, smooth), z_term).reshape(target_shape);
+    case Reduction::Sum:
+      return plus(plus(loss.sum(), smooth.defined() ? smooth.sum() : smooth), z_term.defined() ? z_term.sum() : z_term);
+    case Reduction::Mean: {  // like torch: weighted mean, NaN when nothing is counted
+      const at::Tensor total = wt.sum();
+      return plus(plus(loss.sum() / total, smooth.defined() ? smooth.sum() / total : smooth),
+                  z_term.defined() ? z_term.sum() / valid.sum() : z_term);
+    }
   }
   return loss;
 }
@@ -59,8 +66,9 @@ GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const
     g_ce = g_z = grad_loss.reshape({p.N}).to(dtype);
   } else {
     const at::Tensor g = grad_loss.to(dtype).reshape({});
-    g_ce = o.reduction == Reduction::Mean ? g * safe_reciprocal(wt.sum()) : g;
-    g_z = o.reduction == Reduction::Mean ? g * safe_reciprocal(valid.sum()) : g;
+    const at::Tensor counted = valid.sum();
+    g_ce = o.reduction == Reduction::Mean ? g * mean_reciprocal(wt.sum(), counted) : g;
+    g_z = o.reduction == Reduction::Mean ? g * mean_reciprocal(counted, counted) : g;
   }
   const auto per_row = [&](const at::Tensor& t) { return t.expand({p.N}).contiguous(); };
   at::Tensor alpha = g_ce * ((1.0 - eps) * wt + (eps / p.V) * class_weight_sum(p) * valid);

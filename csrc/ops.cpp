@@ -20,6 +20,10 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+std::optional<at::Tensor> optional(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 c10::OperatorHandle op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
@@ -62,6 +66,12 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // The gradients come from kernels with no derivative of their own: a graph of them (create_graph=True,
+    // torch.autograd.functional.hessian, gradient penalties) would be silently wrong, so it is an error.
+    TORCH_CHECK_NOT_IMPLEMENTED(!at::GradMode::is_enabled(),
+                                "fused_ce.linear_cross_entropy: double backward (create_graph=True, "
+                                "torch.autograd.functional.hessian, ...) is not supported; use "
+                                "torch.nn.functional.cross_entropy on the logits for higher-order gradients");
     const auto needs = ctx->saved_data["needs_grad"].toBoolList();
     const std::array<bool, 3> mask{needs[0], needs[1], needs[2]};
     const auto saved = ctx->get_saved_variables();
@@ -75,27 +85,37 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       out[3] = mask[2] ? gb : at::Tensor();
       return out;
     };
-    auto precomputed = ctx->saved_data.find("grads");
-    if (precomputed != ctx->saved_data.end()) {
-      auto list = precomputed->second.toTensorVector();
-      ctx->saved_data.erase(precomputed);  // once: a second backward recomputes
-      if (!grad_lse.defined()) {
-        if (!grad_loss.defined()) grad_loss = at::zeros({}, lse.options());
-        static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
-        for (int i = 0; i < 3; ++i) {
-          if (mask[i]) scale_op.call(list[i], grad_loss);
-        }
-        return result(list[0], list[1], list[2]);
-      }
-    }
     const LossOptions o = LossOptions::from_ivalue(ctx->saved_data["options"]);
+    if (o.scalar() && !grad_lse.defined()) {
+      std::vector<at::Tensor> list;
+      auto precomputed = ctx->saved_data.find("grads");
+      if (precomputed != ctx->saved_data.end()) {
+        list = precomputed->second.toTensorVector();
+        ctx->saved_data.erase(precomputed);  // handed on once, without a copy
+      } else {
+        // A second backward through a retained graph: the first one's computation again (deterministic),
+        // so that it gives bitwise the same gradients (gradcheck's reentrance check).
+        at::AutoDispatchBelowADInplaceOrView guard;
+        static auto op =
+            op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
+        const auto all = o.apply([&](auto... options) {
+          return op.call(saved[0], saved[1], saved[2], optional(saved[3]), optional(saved[4]), mask, options...);
+        });
+        list = {std::get<2>(all), std::get<3>(all), std::get<4>(all)};
+      }
+      if (!grad_loss.defined()) grad_loss = at::zeros({}, lse.options());
+      static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
+      for (int i = 0; i < 3; ++i) {
+        if (mask[i]) scale_op.call(list[i], grad_loss);
+      }
+      return result(list[0], list[1], list[2]);
+    }
     if (!grad_loss.defined()) grad_loss = o.scalar() ? at::zeros({}, lse.options()) : at::zeros_like(lse);
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_backward").typed<decltype(linear_cross_entropy_backward)>();
-    const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
     const auto [gx, gw, gb] = o.apply([&](auto... options) {
-      return op.call(grad_loss, opt(grad_lse), saved[0], saved[1], saved[2], opt(saved[3]), opt(saved[4]), lse, mask,
-                     options...);
+      return op.call(grad_loss, optional(grad_lse), saved[0], saved[1], saved[2], optional(saved[3]),
+                     optional(saved[4]), lse, mask, options...);
     });
     return result(gx, gw, gb);
   }
@@ -106,6 +126,14 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const bool differentiable = input.requires_grad() || linear_weight.requires_grad() ||
                               (linear_bias && linear_bias->defined() && linear_bias->requires_grad());
+  // Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) has no formula here: an error, never a zero tangent.
+  const auto dual = [](const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); };
+  TORCH_CHECK_NOT_IMPLEMENTED(!dual(input) && !dual(linear_weight) && !(linear_bias && dual(*linear_bias)),
+                              "fused_ce.linear_cross_entropy: forward-mode AD (torch.func.jvp, "
+                              "torch.autograd.forward_ad) is not supported");
+  TORCH_CHECK(!at::GradMode::is_enabled() || !weight || !weight->defined() || !weight->requires_grad(),
+              "linear_cross_entropy: not differentiable with respect to argument 'weight' (class weights); it "
+              "cannot have requires_grad=True (detach it)");
   if (!at::GradMode::is_enabled() || !differentiable) {  // no gradient work at all
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();

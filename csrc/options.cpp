@@ -14,23 +14,28 @@ Reduction parse_reduction(c10::string_view r) {
   if (r == "mean") return Reduction::Mean;
   if (r == "sum") return Reduction::Sum;
   if (r == "none") return Reduction::None;
-  TORCH_CHECK(false, "linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '", std::string(r), "'");
+  TORCH_CHECK_VALUE(false, "linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '", std::string(r),
+                    "'");
   return Reduction::Mean;  // not reached
 }
 
 }  // namespace
 
+// Exception classes as torch raises them: ValueError for a bad reduction, RuntimeError for label_smoothing;
+// ValueError for the options of our own.
 LossOptions LossOptions::parse(FUSED_CE_OPTION_PARAMS) {
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
               "linear_cross_entropy: label_smoothing must be in [0, 1], got ", num(label_smoothing));
-  TORCH_CHECK(z_loss >= 0.0 && std::isfinite(z_loss), "linear_cross_entropy: z_loss must be a finite value >= 0, got ",
-              num(z_loss));
-  TORCH_CHECK(!softcap || (*softcap > 0.0 && std::isfinite(*softcap)),
-              "linear_cross_entropy: softcap must be a finite value > 0 (or None), got ", num(softcap.value_or(0.0)));
-  TORCH_CHECK(std::isfinite(logit_scale), "linear_cross_entropy: logit_scale must be finite, got ", num(logit_scale));
-  TORCH_CHECK(!workspace_bytes || *workspace_bytes > 0,
-              "linear_cross_entropy: workspace_bytes must be positive (or None), got ",
-              num(workspace_bytes.value_or(0)));
+  TORCH_CHECK_VALUE(z_loss >= 0.0 && std::isfinite(z_loss),
+                    "linear_cross_entropy: z_loss must be a finite value >= 0, got ", num(z_loss));
+  TORCH_CHECK_VALUE(!softcap || (*softcap > 0.0 && std::isfinite(*softcap)),
+                    "linear_cross_entropy: softcap must be a finite value > 0 (or None), got ",
+                    num(softcap.value_or(0.0)));
+  TORCH_CHECK_VALUE(std::isfinite(logit_scale), "linear_cross_entropy: logit_scale must be finite, got ",
+                    num(logit_scale));
+  TORCH_CHECK_VALUE(!workspace_bytes || *workspace_bytes > 0,
+                    "linear_cross_entropy: workspace_bytes must be positive (or None), got ",
+                    num(workspace_bytes.value_or(0)));
   return {parse_reduction(reduction), ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes};
 }
 

@@ -168,8 +168,8 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
 }  // namespace
 
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass) {
-  TORCH_CHECK(pass != Pass::ForwardWithGrad || o.scalar(),
-              "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
+  TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar(),
+                    "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
   Plan plan;
   plan.pass = pass;
   plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
@@ -195,8 +195,8 @@ Pass parse_pass(c10::string_view name) {
   if (name == "forward") return Pass::Forward;
   if (name == "backward") return Pass::Backward;
   if (name == "forward_with_grad") return Pass::ForwardWithGrad;
-  TORCH_CHECK(false, "fused_ce: pass must be 'forward', 'backward' or 'forward_with_grad', got '", std::string(name),
-              "'");
+  TORCH_CHECK_VALUE(false, "fused_ce: pass must be 'forward', 'backward' or 'forward_with_grad', got '",
+                    std::string(name), "'");
   return Pass::Forward;
 }
 

@@ -52,7 +52,7 @@ at::ScalarType loss_dtype(const Problem& p) {
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      const LossOptions& o) {
-  TORCH_CHECK(input.dim() >= 1, "linear_cross_entropy: input must have at least one dimension [..., D]");
+  TORCH_CHECK_VALUE(input.dim() >= 1, "linear_cross_entropy: input must have at least one dimension [..., D]");
   TORCH_CHECK(linear_weight.dim() == 2, "linear_cross_entropy: linear_weight must be 2-D [V, D], got shape ",
               shape(linear_weight.sizes()));
   const int64_t D = input.size(-1);
@@ -70,13 +70,15 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
               "linear_cross_entropy: target must hold class indices (int64 or int32); class-probability targets "
               "are not supported");
-  TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
-              "linear_cross_entropy: target must be int64 or int32, got ", name(target.scalar_type()));
+  const auto tdtype = target.scalar_type();
+  TORCH_CHECK(
+      tdtype == at::kLong || tdtype == at::kInt || tdtype == at::kShort || tdtype == at::kByte || tdtype == at::kChar,
+      "linear_cross_entropy: target must be an integer tensor of class indices, got ", name(tdtype));
   TORCH_CHECK(target.device() == input.device(), "linear_cross_entropy: target is on ", target.device().str(),
               " but input is on ", input.device().str());
   const auto batch = input.sizes().slice(0, input.dim() - 1);
-  TORCH_CHECK(target.sizes() == batch, "linear_cross_entropy: target shape ", shape(target.sizes()),
-              " must equal input shape without its last dimension ", shape(batch));
+  TORCH_CHECK_VALUE(target.sizes() == batch, "linear_cross_entropy: target shape ", shape(target.sizes()),
+                    " must equal input shape without its last dimension ", shape(batch));
 
   Problem p;
   p.N = D == 0 ? target.numel() : input.numel() / D;
@@ -113,8 +115,8 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
 void prepare_targets(Problem& p, const LossOptions& o, const Plan& plan, bool check, GradCoefficients* unit) {
   const at::Tensor t = p.target;
   const auto bad_targets_error = [&] {
-    TORCH_CHECK(false, "linear_cross_entropy: target holds class indices outside [0, ", num(p.V),
-                ") that are not ignore_index (", num(o.ignore_index), ")");
+    TORCH_CHECK_INDEX(false, "linear_cross_entropy: target holds class indices outside [0, ", num(p.V),
+                      ") that are not ignore_index (", num(o.ignore_index), ")");
   };
   if (plan.rows_on_device) {
     const at::Tensor bad = cuda_prepare_rows(p, t, o, unit);

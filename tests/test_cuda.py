@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
-from reference import make_problem, reference_loss, rel_err
 
 import fused_ce
+from reference import make_problem, reference_loss, rel_err
 
 pytestmark = pytest.mark.cuda
 

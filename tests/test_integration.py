@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import DEVICES
-from reference import make_problem, reference_loss, rel_err
 
 import fused_ce
+from helpers import DEVICES
+from reference import make_problem, reference_loss, rel_err
 
 
 def float64_reference(x, w, t, b, **kwargs):

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from fused_ce.kernels import configs, jit  # noqa: E402
 from helpers import KERNEL_DEVICE as DEVICE  # noqa: E402
 from reference import make_problem  # noqa: E402
-
-from fused_ce.kernels import configs, jit  # noqa: E402
 
 
 def transformed_logits(x, w, b, scale, softcap):

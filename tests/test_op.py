@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from helpers import DEVICES
-from reference import make_problem, reference_loss, rel_err
+import torch.nn.functional as F
 
 import fused_ce
+from helpers import DEVICES
+from reference import make_problem, reference_loss, rel_err
 
 REDUCTIONS = ["mean", "sum", "none"]
 
@@ -239,32 +240,41 @@ def test_matches_torch_functional_signature():
     assert rel_err(fused_ce.linear_cross_entropy(x, w, t, **kw), F.linear_cross_entropy(x, w, t, **kw)) < 1e-5
 
 
-def test_bad_arguments_raise_clear_errors():
-    x, w, t, b = make_problem(8, 16, 20)
-    op = fused_ce.linear_cross_entropy
-    cases = [
-        (dict(reduction="avg"), "reduction"),
-        (dict(label_smoothing=1.5), "label_smoothing"),
-        (dict(label_smoothing=-0.1), "label_smoothing"),
-        (dict(softcap=0.0), "softcap"),
-        (dict(softcap=-1.0), "softcap"),
-        (dict(z_loss=-1.0), "z_loss"),
-        (dict(weight=torch.ones(19)), "weight"),
-        (dict(linear_bias=torch.ones(21)), "linear_bias"),
-        (dict(workspace_bytes=0), "workspace_bytes"),
-    ]
-    for kw, name in cases:
-        with pytest.raises(RuntimeError, match=name):
-            op(x, w, t, **kw)
-    with pytest.raises(RuntimeError, match="target"):
-        op(x, w, torch.full_like(t, 20))
-    with pytest.raises(RuntimeError, match="target"):
-        op(x, w, torch.full_like(t, -5))
-    with pytest.raises(RuntimeError, match="target"):
-        op(x, w, t.float())
-    with pytest.raises(RuntimeError, match="target shape"):
-        op(x, w, t[:-1])
-    with pytest.raises(RuntimeError, match="linear_weight"):
-        op(x, w[:, :-1], t)
-    with pytest.raises(RuntimeError, match="linear_weight dtype"):
-        op(x, w.double(), t)
+BAD_ARGUMENTS = [  # (keywords or a function of (x, w, t), exception class as torch raises it, text in the message)
+    (dict(reduction="avg"), ValueError, "reduction"),
+    (dict(label_smoothing=1.5), RuntimeError, "label_smoothing"),
+    (dict(label_smoothing=-0.1), RuntimeError, "label_smoothing"),  # torch 2.13 accepts it
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(z_loss=-1.0), ValueError, "z_loss"),
+    (dict(logit_scale=float("inf")), ValueError, "logit_scale"),
+    (dict(weight=torch.ones(19)), RuntimeError, "weight"),
+    (dict(linear_bias=torch.ones(21)), RuntimeError, "linear_bias"),
+    (dict(workspace_bytes=0), ValueError, "workspace_bytes"),
+    (lambda x, w, t: (x, w, torch.full_like(t, 20)), IndexError, "target"),
+    (lambda x, w, t: (x, w, torch.full_like(t, -5)), IndexError, "target"),
+    (lambda x, w, t: (x, w, t.float()), RuntimeError, "target"),
+    (lambda x, w, t: (x, w, t[:-1]), ValueError, "target shape"),
+    (lambda x, w, t: (x, w[:, :-1], t), RuntimeError, "linear_weight"),
+    (lambda x, w, t: (x, w.double(), t), RuntimeError, "linear_weight dtype"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_ARGUMENTS)))
+def test_bad_arguments_raise_torchs_exception_classes(case):
+    bad, exc, text = BAD_ARGUMENTS[case]
+    x, w, t, _ = make_problem(8, 16, 20)
+    args, kw = (bad(x, w, t), {}) if callable(bad) else ((x, w, t), bad)
+    with pytest.raises(exc, match=text):
+        fused_ce.linear_cross_entropy(*args, **kw)
+    ours_only = {"softcap", "z_loss", "logit_scale", "workspace_bytes"}
+    if hasattr(F, "linear_cross_entropy") and not set(kw) & ours_only and kw.get("label_smoothing", 0) >= 0:
+        with pytest.raises(exc):  # the same class as torch's own (torch >= 2.13)
+            F.linear_cross_entropy(*args, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_integer_target_dtypes(dtype):
+    x, w, t, _ = make_problem(8, 16, 20, ignore_frac=0.0)
+    ref = fused_ce.linear_cross_entropy(x, w, t)
+    assert torch.equal(fused_ce.linear_cross_entropy(x, w, t.to(dtype)), ref)

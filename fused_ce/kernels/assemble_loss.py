@@ -38,29 +38,37 @@ def assemble_loss_kernel(
     eps = label_smoothing
     cw_sum = tl.load(totals_ptr + 2)
     ce_acc = tl.zeros((BLOCK,), tl.float32)
+    smooth_acc = tl.zeros((BLOCK,), tl.float32)
     z_acc = tl.zeros((BLOCK,), tl.float32)
     for r0 in range(0, N, BLOCK):
         rows = r0 + offs
         in_range = rows < N
         lse = tl.load(lse_ptr + rows, mask=in_range, other=0.0)
         w = tl.load(wt_ptr + rows, mask=in_range, other=0.0)
-        valid = (tl.load(tgt_ptr + rows, mask=in_range, other=-1) >= 0).to(tl.float32)
-        ce = (1.0 - eps) * w * (lse - tl.load(zt_ptr + rows, mask=in_range, other=0.0))
+        counted = tl.load(tgt_ptr + rows, mask=in_range, other=-1) >= 0
+        # an ignored row contributes exactly 0, whatever its logits (NaN or inf included), as in torch
+        ce = tl.where(counted, (1.0 - eps) * w * (lse - tl.load(zt_ptr + rows, mask=in_range, other=0.0)), 0.0)
+        smooth = tl.zeros((BLOCK,), tl.float32)
         if has_smoothing:
             wz = tl.load(wz_ptr + rows, mask=in_range, other=0.0)
-            ce += eps / tl.cast(V, tl.float32) * valid * (cw_sum * lse - wz)
-        z = z_loss * valid * lse * lse
+            smooth = tl.where(counted, eps / tl.cast(V, tl.float32) * (cw_sum * lse - wz), 0.0)
+        z = tl.where(counted, z_loss * lse * lse, 0.0)
         if reduction == 0:
-            tl.store(loss_ptr + rows, ce + z, mask=in_range)
+            tl.store(loss_ptr + rows, ce + smooth + z, mask=in_range)
         else:
             ce_acc += tl.where(in_range, ce, 0.0)
+            smooth_acc += tl.where(in_range, smooth, 0.0)
             z_acc += tl.where(in_range, z, 0.0)
     if reduction != 0:
         ce_total = tl.sum(ce_acc, axis=0)
+        smooth_total = tl.sum(smooth_acc, axis=0)
         z_total = tl.sum(z_acc, axis=0)
-        if reduction == 1:
+        if reduction == 1:  # torch divides each term by the weight sum on its own (0/0 stays NaN)
             ce_total = ce_total / tl.load(totals_ptr)
+            smooth_total = smooth_total / tl.load(totals_ptr)
             z_total = z_total / tl.load(totals_ptr + 1)
+        if has_smoothing:
+            ce_total += smooth_total
         if z_loss > 0:
             ce_total += z_total
         tl.store(loss_ptr, ce_total)

@@ -61,9 +61,13 @@ def logit_grad_kernel(
     z = transform_logits(acc, b_ptr, cols_in, logit_scale, softcap, has_bias, has_softcap)
 
     lse = tl.load(lse_ptr + rows_in)
-    alpha = tl.load(alpha_ptr + rows_in) + tl.load(alpha_lse_ptr + rows_in) * lse
+    alpha0 = tl.load(alpha_ptr + rows_in)
+    alpha_lse = tl.load(alpha_lse_ptr + rows_in)
+    alpha = alpha0 + alpha_lse * lse
     beta = tl.load(beta_ptr + rows_in)
     gamma = tl.load(gamma_ptr + rows_in)
+    # rows with no coefficient (ignored ones) get exactly 0, also where their logits are NaN or inf
+    active = (alpha0 != 0.0) | (alpha_lse != 0.0) | (beta != 0.0) | (gamma != 0.0)
     tgt = tl.load(tgt_ptr + rows_in)
 
     p = tl.exp(z - lse[:, None])
@@ -75,7 +79,7 @@ def logit_grad_kernel(
     if has_softcap:
         t = z / softcap
         g = g * (1.0 - t * t)
-    g = g * logit_scale
+    g = tl.where(active[:, None], g * logit_scale, 0.0)
 
     out = g_ptr + rows[:, None] * stride_gn + (cols - v_begin)[None, :]
     tl.store(out, g.to(g_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])

@@ -9,7 +9,8 @@ for an upstream gradient of 1 (see csrc/stages.h):
 ``alpha = g_ce * ((1 - eps) * wt + eps / V * sum(cw) * valid)``,
 ``alpha_lse = 2 * z_loss * g_z * valid``, ``beta = g_ce * (1 - eps) * wt``,
 ``gamma = g_ce * eps / V * valid``, with ``g_ce = 1 / sum(wt)`` and
-``g_z = 1 / #valid`` for 'mean' (0 when nothing is counted), 1 for 'sum'.
+``g_z = 1 / #valid`` for 'mean' (both 0 when nothing is counted; a zero sum(wt) of counted rows gives
+inf, as torch's division does), 1 for 'sum'.
 
 One program walks all rows (twice with coefficients): the sums come out in a
 fixed order, so they are deterministic, and the op's first call needs no ATen
@@ -88,7 +89,9 @@ def prepare_rows_kernel(
     tl.store(bad_ptr, tl.sum(bad_acc, axis=0))
 
     if write_coefficients:
-        g_ce = tl.where(mean != 0, tl.where(w_sum > 0, 1.0 / w_sum, 0.0), 1.0)
+        # torch's 'mean': divided by the signed sum of the counted weights (0 gives inf, so NaN gradients);
+        # nothing counted: gradients 0
+        g_ce = tl.where(mean != 0, tl.where(n_valid > 0, 1.0 / w_sum, 0.0), 1.0)
         g_z = tl.where(mean != 0, tl.where(n_valid > 0, 1.0 / n_valid, 0.0), 1.0)
         eps = label_smoothing
         smooth = eps / tl.cast(V, tl.float32)

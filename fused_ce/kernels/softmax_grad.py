@@ -48,9 +48,12 @@ def softmax_grad_kernel(
     col_mask = cols < V
     mask = row_mask[:, None] & col_mask[None, :]
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    alpha = tl.load(alpha_ptr + rows, mask=row_mask, other=0.0) + \
-        tl.load(alpha_lse_ptr + rows, mask=row_mask, other=0.0) * lse
+    alpha0 = tl.load(alpha_ptr + rows, mask=row_mask, other=0.0)
+    alpha_lse = tl.load(alpha_lse_ptr + rows, mask=row_mask, other=0.0)
+    alpha = alpha0 + alpha_lse * lse
     beta = tl.load(beta_ptr + rows, mask=row_mask, other=0.0)
+    # rows with no coefficient (ignored ones) get exactly 0, also where their logits are NaN or inf
+    active = (alpha0 != 0.0) | (alpha_lse != 0.0) | (beta != 0.0)
     tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1) - col_offset  # in the block's columns; -1 matches none
 
     ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
@@ -58,6 +61,7 @@ def softmax_grad_kernel(
     g = tl.exp(z - lse[:, None]) * alpha[:, None] - tl.where(cols[None, :] == tgt[:, None], beta[:, None], 0.0)
     if has_smoothing:  # gamma is zero without label smoothing: skip its loads
         gamma = tl.load(gamma_ptr + rows, mask=row_mask, other=0.0)
+        active = active | (gamma != 0.0)
         if has_class_weight:
             g -= gamma[:, None] * tl.load(cw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         else:
@@ -65,5 +69,5 @@ def softmax_grad_kernel(
     if has_softcap:
         t = z * (1.0 / softcap)  # tanh of the pre-cap logit
         g = g * (1.0 - t * t)
-    g = g * logit_scale
+    g = tl.where(active[:, None], g * logit_scale, 0.0)
     tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)

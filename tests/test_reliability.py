@@ -1,0 +1,153 @@
+"""No silent wrong answers: what the op does not support is an error, and torch's semantics at the edges."""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+
+import fused_ce
+from helpers import DEVICES
+from reference import make_problem, reference_loss, rel_err
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_double_backward_is_an_error(device, reduction):
+    x, w, t, _ = make_problem(16, 8, 30, device=device)
+    x, w = leaves(x, w)
+    loss = fused_ce.linear_cross_entropy(x, w, t, reduction=reduction).sum()
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.functional.hessian(lambda xx: fused_ce.linear_cross_entropy(xx, w.detach(), t), x.detach())
+    # a plain backward after all that still works
+    fused_ce.linear_cross_entropy(x, w, t, reduction=reduction).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_mode_ad_is_an_error(device):
+    x, w, t, _ = make_problem(16, 8, 30, device=device)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        with fwAD.dual_level():
+            fused_ce.linear_cross_entropy(fwAD.make_dual(x, torch.randn_like(x)), w, t)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda ww: fused_ce.linear_cross_entropy(x, ww, t), (w,), (torch.randn_like(w),))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_class_weights_requiring_grad_are_an_error(device):
+    x, w, t, _ = make_problem(16, 8, 30, device=device)
+    cw = torch.rand(30, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not differentiable with respect to argument 'weight'"):
+        fused_ce.linear_cross_entropy(x, w, t, weight=cw)
+    with torch.no_grad():  # as torch: only where a graph would be built
+        fused_ce.linear_cross_entropy(x, w, t, weight=cw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize(
+    "case",
+    ["negative sum", "zero sum", "zero-weight rows only", "nothing counted"],
+)
+def test_mean_divides_by_the_signed_weight_sum_as_torch(device, smoothing, case):
+    # torch divides 'mean' by the signed sum of the counted targets' weights: a zero sum gives an infinite or NaN
+    # loss and NaN gradients; with nothing counted the loss is NaN and the gradients 0.
+    x, w, _, _ = make_problem(6, 8, 5, dtype=torch.float64, device=device)
+    cw = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0], dtype=torch.float64, device=device)
+    t = {
+        "negative sum": [1, 1, 0, 3, 4, -100],
+        "zero sum": [0, 1, 0, 1, 2, 3],
+        "zero-weight rows only": [4, 4, 4, 4, 4, 4],
+        "nothing counted": [-100] * 6,
+    }[case]
+    t = torch.tensor(t, device=device)
+    ours, ref = leaves(x, w), leaves(x, w)
+    loss = fused_ce.linear_cross_entropy(*ours, t, weight=cw, label_smoothing=smoothing)
+    loss.backward()
+    expected = F.cross_entropy(ref[0] @ ref[1].T, t, weight=cw, label_smoothing=smoothing)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_non_finite_logits_of_ignored_rows_contribute_nothing(device, reduction):
+    # An ignored row whose logits overflow (inf, and NaN after the softmax) must not reach the loss or any
+    # other row's gradient, forward or backward, on every path (CPU: ATen; CUDA: the kernels).
+    x, w, t, b = make_problem(40, 16, 50, device=device, bias=True, ignore_frac=0.0)
+    t[[3, 17]] = -100
+    x[3] = 1e38  # logits of +-inf
+    x[17] = float("inf")
+    kw = dict(
+        linear_bias=b, reduction=reduction, z_loss=1e-3, label_smoothing=0.1, weight=torch.rand(50, device=device)
+    )
+    ours = leaves(x, w, b)
+    loss = fused_ce.linear_cross_entropy(ours[0], ours[1], t, **{**kw, "linear_bias": ours[2]})
+    loss.sum().backward()
+    keep = torch.ones(40, dtype=torch.bool, device=device)
+    keep[[3, 17]] = False
+    ref = [v.double().requires_grad_() for v in (x[keep], w, b)]
+    expected = reference_loss(ref[0], ref[1], t[keep], **{**kw, "linear_bias": ref[2]})
+    if reduction == "none":
+        assert torch.equal(loss[~keep], torch.zeros(2, device=device)), loss[~keep]
+        loss = loss[keep]
+    assert rel_err(loss, expected) < 1e-5
+    expected.sum().backward()
+    assert torch.equal(ours[0].grad[~keep], torch.zeros_like(ours[0].grad[~keep]))
+    # dW and db would be NaN had a NaN reached them; dX of the counted rows matches
+    assert rel_err(ours[0].grad[keep], ref[0].grad) < 1e-5
+    assert torch.isfinite(ours[2].grad).all() and rel_err(ours[2].grad, ref[2].grad) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_ignored_rows_with_rank_one_smoothing(device):
+    # class weights + label smoothing without softcap: the smoothing terms come from GEMVs over x (plan:
+    # rank_one_smoothing on CUDA); an ignored row of x holding inf must not reach them.
+    x, w, t, _ = make_problem(64, 16, 40, device=device, ignore_frac=0.0)
+    t[5] = -100
+    x[5] = float("inf")
+    cw = torch.rand(40, device=device) + 0.5
+    ours = leaves(x, w)
+    loss = fused_ce.linear_cross_entropy(*ours, t, weight=cw, label_smoothing=0.2)
+    loss.backward()
+    keep = torch.arange(64, device=device) != 5
+    ref = [v.double().requires_grad_() for v in (x[keep], w)]
+    expected = reference_loss(*ref, t[keep], weight=cw, label_smoothing=0.2)
+    expected.backward()
+    assert rel_err(loss, expected) < 1e-5
+    assert rel_err(ours[0].grad[keep], ref[0].grad) < 1e-5
+    assert torch.equal(ours[0].grad[5], torch.zeros_like(ours[0].grad[5]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_retained_graph_backward_is_reentrant(device):
+    x, w, t, b = make_problem(30, 8, 40, device=device, bias=True)
+    for reduction in ("mean", "none"):
+        ours = leaves(x, w, b)
+        loss = fused_ce.linear_cross_entropy(ours[0], ours[1], t, linear_bias=ours[2], reduction=reduction).sum()
+        first = torch.autograd.grad(loss, ours, retain_graph=True)
+        second = torch.autograd.grad(loss, ours)
+        # the scalar path hands its precomputed gradients out once; the second recomputes: same values
+        for a, c in zip(first, second):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck_float64():
+    x, w, t, b = make_problem(6, 5, 7, dtype=torch.float64, bias=True)
+    cw = torch.rand(7, dtype=torch.float64) + 0.5
+    for reduction in ("mean", "sum", "none"):
+
+        def fn(x, w, b, reduction=reduction):
+            return fused_ce.linear_cross_entropy(
+                x, w, t, linear_bias=b, weight=cw, reduction=reduction, label_smoothing=0.1, z_loss=1e-2, softcap=3.0
+            )
+
+        assert torch.autograd.gradcheck(fn, leaves(x, w, b))
