@@ -22,21 +22,34 @@ at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
 }
 
 // The row stats that are linear in the logits z (over the whole vocabulary):
-// the target's logit and the class-weighted sum; lse left undefined.
+// the target's logit (target_gap until the max is known) and the class-weighted sum.
 RowStats linear_stats_of(const Problem& p, const at::Tensor& z, bool smoothing) {
-  const at::Tensor valid = p.target.ge(0);
   RowStats s;
-  s.target_logit = z.gather(1, at::where(valid, p.target, 0).unsqueeze(1)).squeeze(1) * valid;
+  s.target_gap = z.gather(1, p.target.clamp_min(0).unsqueeze(1)).squeeze(1);
   if (smoothing) {
     s.weighted_z_sum = p.class_weight.defined() ? z.matmul(p.class_weight.to(z.scalar_type())) : z.sum(1);
   }
   return s;
 }
 
+// The row max as logsumexp takes it: 0 where it is infinite.
+at::Tensor row_max(const at::Tensor& z) {
+  at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));
+  return m.masked_fill_(m.abs() == INFINITY, 0);
+}
+
+// Completes linear_stats_of's `s` from the rows' max m and log sum of exp(z - m).
+void finish_stats(RowStats& s, const Problem& p, const at::Tensor& m, const at::Tensor& log_sum) {
+  s.log_sum = log_sum;
+  s.lse = m + log_sum;
+  s.target_gap = at::where(p.target.ge(0), m - s.target_gap, at::zeros({}, m.options()));
+}
+
 // Row stats of the rows of p from their logits over the whole vocabulary.
 RowStats stats_of(const Problem& p, const at::Tensor& z, bool smoothing) {
   RowStats s = linear_stats_of(p, z, smoothing);
-  s.lse = at::logsumexp(z, 1);
+  const at::Tensor m = row_max(z);
+  finish_stats(s, p, m.squeeze(1), (z - m).exp_().sum(1).log_());
   return s;
 }
 
@@ -83,13 +96,15 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
 
 RowStats aten_row_stats(const Problem& p, bool smoothing, int64_t block_rows) {
   const auto opts = p.x.options().dtype(loss_dtype(p));
-  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), smoothing ? at::empty({p.N}, opts) : at::Tensor()};
+  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), at::empty({p.N}, opts),
+             smoothing ? at::empty({p.N}, opts) : at::Tensor()};
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
     const Problem chunk = p.rows(r0, r1);
     const RowStats part = stats_of(chunk, logits(chunk, 0, p.V), smoothing);
     s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
-    s.target_logit.narrow(0, r0, r1 - r0).copy_(part.target_logit);
+    s.target_gap.narrow(0, r0, r1 - r0).copy_(part.target_gap);
+    s.log_sum.narrow(0, r0, r1 - r0).copy_(part.log_sum);
     if (smoothing) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
   }
   return s;
@@ -106,10 +121,9 @@ std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, cons
   // z becomes exp(z - max) in place; its row sums give the lse, and
   // p * alpha = exp(z - max) * (alpha / sum): no logits-sized temporary and
   // two passes fewer than logsumexp followed by exp(z - lse).
-  at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));
-  m.masked_fill_(m.abs() == INFINITY, 0);  // as logsumexp does for infinite maxima
+  const at::Tensor m = row_max(z);
   const at::Tensor sum = z.sub_(m).exp_().sum(1, /*keepdim=*/true);
-  s.lse = (m + sum.log()).squeeze(1);
+  finish_stats(s, p, m.squeeze(1), sum.log().squeeze(1));
   const auto dtype = z.scalar_type();
   const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * s.lse;
   z.mul_(alpha.unsqueeze(1) / sum);

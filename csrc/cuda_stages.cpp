@@ -136,8 +136,9 @@ RowStats cuda_row_stats(const Problem& p, bool smoothing) {
   const at::Tensor m = partial[0];
   const at::Tensor m_max = std::get<0>(m.max(0));
   RowStats s;
-  s.lse = m_max + (partial[1] * (m - m_max).exp()).sum(0).log();
-  s.target_logit = partial[2].sum(0);
+  s.log_sum = (partial[1] * (m - m_max).exp()).sum(0).log();
+  s.lse = m_max + s.log_sum;
+  s.target_gap = at::where(p.target.ge(0), m_max - partial[2].sum(0), at::zeros({}, m_max.options()));
   if (smoothing) s.weighted_z_sum = partial[3].sum(0);
   return s;
 }
@@ -184,7 +185,8 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
   TORCH_CHECK(p.col_offset == 0, "fused_ce: row stats need whole vocabulary rows");
   check_stored_logits(p, logits);
   check_row_output(p, out.lse);
-  check_row_output(p, out.target_logit);
+  check_row_output(p, out.target_gap);
+  check_row_output(p, out.log_sum);
   if (smoothing) check_row_output(p, out.weighted_z_sum);
   const KernelVariant& tiles = *select("logit_partials", p, &logits);
   const int64_t segments = cdiv(p.V, tiles.block_v);
@@ -217,7 +219,8 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
       .ptr("pw_ptr", partials[2])
       .ptr("tgt_ptr", p.target)
       .ptr("lse_ptr", out.lse)
-      .ptr("zt_ptr", out.target_logit)
+      .ptr("gap_ptr", out.target_gap)
+      .ptr("ls_ptr", out.log_sum)
       .ptr("wz_ptr", out.weighted_z_sum)
       .i64("N", p.N);
   launch(combine, p.x.device(), cdiv(p.N, combine.block_n), combine_args);
@@ -290,12 +293,13 @@ at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOpt
   TORCH_CHECK(p.totals.defined() && p.target_weight.defined(), "fused_ce: rows not prepared on the device");
   const KernelVariant& v = *select_fixed("assemble_loss", p.x.device());
   const auto f32 = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; };
-  const at::Tensor lse = f32(s.lse), zt = f32(s.target_logit), wz = f32(s.weighted_z_sum);
+  const at::Tensor lse = f32(s.lse), gap = f32(s.target_gap), log_sum = f32(s.log_sum), wz = f32(s.weighted_z_sum);
   TORCH_CHECK(!o.smoothing() || wz.defined(), "fused_ce: label smoothing needs the weighted logit sums");
   at::Tensor loss = at::empty({o.scalar() ? 1 : p.N}, p.x.options().dtype(at::kFloat));
   KernelArgs args;
   args.ptr("lse_ptr", lse)
-      .ptr("zt_ptr", zt)
+      .ptr("gap_ptr", gap)
+      .ptr("ls_ptr", log_sum)
       .ptr("wz_ptr", wz)
       .ptr("tgt_ptr", p.target)
       .ptr("wt_ptr", p.target_weight)

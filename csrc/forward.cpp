@@ -10,7 +10,7 @@ namespace fused_ce {
 
 RowStats empty_stats(const Problem& p) {
   const auto opts = p.x.options().dtype(loss_dtype(p));
-  return {at::empty({0}, opts), at::empty({0}, opts), at::empty({0}, opts)};
+  return {at::empty({0}, opts), at::empty({0}, opts), at::empty({0}, opts), at::empty({0}, opts)};
 }
 
 void logits_into(const Problem& p, at::Tensor& out) {
@@ -24,7 +24,7 @@ void logits_into(const Problem& p, at::Tensor& out) {
 RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows) {
   const auto opts = p.x.options().dtype(at::kFloat);
   const bool smoothing_in_kernel = o.smoothing() && !plan.rank_one_smoothing;
-  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts),
+  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), at::empty({p.N}, opts),
              smoothing_in_kernel ? at::empty({p.N}, opts) : at::Tensor()};
   if (plan.rank_one_smoothing) s.weighted_z_sum = weighted_z_sum(p, class_weighted_w(p));
   at::Tensor buffer = at::empty({block_rows, p.V}, p.x.options());

@@ -51,7 +51,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   RowStats s = empty_stats(p);
   if (p.N > 0) {
     const auto sopts = p.x.options().dtype(dtype);
-    s = {at::empty({p.N}, sopts), at::empty({p.N}, sopts),
+    s = {at::empty({p.N}, sopts), at::empty({p.N}, sopts), at::empty({p.N}, sopts),
          smoothing_in_kernel ? at::empty({p.N}, sopts) : at::Tensor()};
   }
   const at::Tensor x = p.x.to(gemm_dtype);
@@ -83,7 +83,8 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, smoothing_in_kernel);
       block = block.to(gemm_dtype);
       block_stats.lse.copy_(part.lse);
-      block_stats.target_logit.copy_(part.target_logit);
+      block_stats.target_gap.copy_(part.target_gap);
+      block_stats.log_sum.copy_(part.log_sum);
       if (smoothing_in_kernel) block_stats.weighted_z_sum.copy_(part.weighted_z_sum);
     }
     if (need[0]) {

@@ -37,7 +37,7 @@ at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const Plan& pla
   // An ignored row contributes exactly 0, whatever its logits (NaN or inf included), as in torch.
   const at::Tensor counted = p.target.ge(0);
   const auto where_counted = [&](const at::Tensor& t) { return at::where(counted, t, at::zeros({}, t.options())); };
-  at::Tensor loss = where_counted((1.0 - eps) * wt * (s.lse - s.target_logit));
+  at::Tensor loss = where_counted((1.0 - eps) * wt * (s.target_gap + s.log_sum));
   // label smoothing's term kept apart until the reduction: torch divides each by the weight sum on its own
   const at::Tensor smooth =
       o.smoothing() ? where_counted((eps / p.V) * (class_weight_sum(p) * s.lse - s.weighted_z_sum)) : at::Tensor();

@@ -42,7 +42,8 @@ GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
 }
 
 RowStats RowStats::rows(int64_t begin, int64_t end) const {
-  return {slice(lse, begin, end), slice(target_logit, begin, end), slice(weighted_z_sum, begin, end)};
+  return {slice(lse, begin, end), slice(target_gap, begin, end), slice(log_sum, begin, end),
+          slice(weighted_z_sum, begin, end)};
 }
 
 at::ScalarType loss_dtype(const Problem& p) {

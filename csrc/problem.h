@@ -33,9 +33,12 @@ struct Problem {
   Problem cols(int64_t begin, int64_t end) const;  // on classes [begin, end) of this problem's w
 };
 
+// The loss's cross-entropy term per row is target_gap + log_sum: no cancellation between large numbers
+// (lse - z_target would lose everything below the lse's rounding, e.g. 2.0 instead of log 8 at logits of 2^24).
 struct RowStats {
-  at::Tensor lse;                                   // [N] float32
-  at::Tensor target_logit;                          // [N] float32 (0 where the target is ignored)
+  at::Tensor lse;                                   // [N] float32: max + log_sum
+  at::Tensor target_gap;                            // [N] float32: max - z[r, target] (0 where the target is ignored)
+  at::Tensor log_sum;                               // [N] float32: log sum_c exp(z[r, c] - max), in [0, log V]
   at::Tensor weighted_z_sum;                        // [N] float32, with label smoothing only: sum_c cw[c] * z[r, c]
   RowStats rows(int64_t begin, int64_t end) const;  // views of rows [begin, end)
 };

@@ -117,7 +117,7 @@ def test_stats_from_logits_and_softmax_grad(case):
     alpha, alpha_lse, beta = (torch.rand(N, device=DEVICE) for _ in range(3))
     gamma = torch.rand(N, device=DEVICE) * 0.01
     kw = dict(class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True)
-    lse, zt, wz = jit.stats_from_logits(logits, t, **kw)
+    lse, gap, log_sum, wz = jit.stats_from_logits(logits, t, **kw)
     assert torch.equal(logits, raw.to(x.dtype)), "the stats pass wrote"
     jit.softmax_grad(logits, t, lse, alpha, alpha_lse, beta, gamma, **kw)
     # reference from the logits as stored (rounded to the input dtype), like the kernel sees them
@@ -130,8 +130,10 @@ def test_stats_from_logits_and_softmax_grad(case):
     approx = case["dtype"] != torch.float32 and cap is not None and DEVICE == "cuda"
     tol_row = 2e-3 if approx else 1e-5
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol_row, atol=tol_row)
-    ref_zt = torch.where(t >= 0, zs.gather(1, t.clamp_min(0)[:, None])[:, 0], 0.0)
-    torch.testing.assert_close(zt.double(), ref_zt, rtol=tol_row, atol=tol_row * cap if approx else tol_row)
+    ref_max = zs.max(1).values
+    ref_gap = torch.where(t >= 0, ref_max - zs.gather(1, t.clamp_min(0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(gap.double(), ref_gap, rtol=tol_row, atol=tol_row * cap if approx else tol_row)
+    torch.testing.assert_close(log_sum.double(), ref_lse - ref_max, rtol=tol_row, atol=tol_row)
     cwd = cw.double() if cw is not None else torch.ones(V, dtype=torch.float64, device=DEVICE)
     torch.testing.assert_close(wz.double(), zs @ cwd, rtol=10 * tol_row, atol=1.0 if approx else 1e-4)
     p = (zs - ref_lse[:, None]).exp()
@@ -157,7 +159,7 @@ def test_softmax_grad_on_vocabulary_slices(case):
     gamma = torch.rand(N, device=DEVICE) * 0.01
     kw = dict(logit_scale=scale, softcap=cap, smoothing=True)
     whole = raw.clone()
-    lse, _, _ = jit.stats_from_logits(whole, t, class_weight=cw, **kw)
+    lse = jit.stats_from_logits(whole, t, class_weight=cw, **kw)[0]
     jit.softmax_grad(whole, t, lse, alpha, alpha_lse, beta, gamma, class_weight=cw, **kw)
     edges = [0, V // 3, V // 3 + 1, V]  # uneven slices, one a single column
     for v0, v1 in zip(edges[:-1], edges[1:]):
@@ -220,15 +222,20 @@ def test_prepare_rows_and_assemble_loss(class_weight, reduction):
     for c, e in zip(coef, expected):
         torch.testing.assert_close(c, e.float())
     # the loss from random row statistics, against the same formula in torch
-    lse, zt, wz = (torch.randn(N, device=DEVICE) for _ in range(3))
-    zt = zt * valid
-    loss = jit.assemble_loss(lse, zt, wz, tgt, wt, totals, V, label_smoothing=eps, z_loss=z, reduction=reduction)
-    per_row = (1 - eps) * ref_wt * (lse - zt) + eps / V * valid * (cw_sum * lse - wz)
-    z_term = z * valid * lse**2
+    lse, gap, wz = (torch.randn(N, device=DEVICE) for _ in range(3))
+    log_sum = torch.rand(N, device=DEVICE) * 5
+    gap = gap.abs() * valid
+    loss = jit.assemble_loss(
+        lse, gap, log_sum, wz, tgt, wt, totals, V, label_smoothing=eps, z_loss=z, reduction=reduction
+    )
+    zero = torch.zeros((), device=DEVICE)
+    ce = torch.where(valid, (1 - eps) * ref_wt * (gap + log_sum), zero)
+    smooth = torch.where(valid, eps / V * (cw_sum * lse - wz), zero)
+    z_term = torch.where(valid, z * lse**2, zero)
     ref = {
-        "none": per_row + z_term,
-        "sum": per_row.sum() + z_term.sum(),
-        "mean": per_row.sum() / ref_wt.sum() + z_term.sum() / valid.sum(),
+        "none": ce + smooth + z_term,
+        "sum": ce.sum() + smooth.sum() + z_term.sum(),
+        "mean": ce.sum() / ref_wt.sum() + smooth.sum() / ref_wt.sum() + z_term.sum() / valid.sum(),
     }[reduction]
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 

@@ -151,3 +151,19 @@ def test_gradcheck_float64():
             )
 
         assert torch.autograd.gradcheck(fn, leaves(x, w, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("magnitude", [1024.0, 2.0**24])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_has_no_cancellation_at_large_logits(device, magnitude, reduction):
+    # equal logits of +-magnitude over 8 classes: the loss is log 8 exactly as far as float32 goes; computed as
+    # lse - z_target it lost everything below the lse's rounding (2.0 at 2^24, 2.6e-5 off at 1024)
+    V = 8
+    w = torch.zeros(V, 2, device=device)
+    w[:, 0] = 1.0
+    x = torch.tensor([[magnitude, 0.0], [-magnitude, 0.0]], device=device)
+    t = torch.tensor([3, 5], device=device)
+    loss = fused_ce.linear_cross_entropy(x, w, t, reduction=reduction)
+    expected = torch.full_like(loss, torch.log(torch.tensor(8.0)).item())
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)

@@ -1,11 +1,13 @@
 """Epilogue stage: the loss from the row statistics, in one launch.
 
-Per row (torch's semantics for class weights and label smoothing):
-``(1 - eps) * wt * (lse - z_target) + eps / V * valid * (sum(cw) * lse - sum_c cw_c z_c) + z_loss * valid * lse^2``;
-``reduction`` 0 writes it per row, 2 sums it, 1 ('mean') divides the cross-entropy
-part by the summed target weights and the z-loss part by the number of counted
-rows (NaN when nothing is counted, like torch). One program, rows in a fixed
-order: deterministic.
+Per counted row (torch's semantics for class weights and label smoothing; an
+ignored row contributes exactly 0): ``(1 - eps) * wt * (gap + log_sum)`` with
+``gap = max - z_target`` and ``log_sum = lse - max`` (no cancellation between
+large numbers), ``+ eps / V * (sum(cw) * lse - sum_c cw_c z_c) + z_loss * lse^2``;
+``reduction`` 0 writes it per row, 2 sums it, 1 ('mean') divides the
+cross-entropy and smoothing parts, each on its own, by the summed target weights
+and the z-loss part by the number of counted rows (NaN when nothing is counted,
+like torch). One program, rows in a fixed order: deterministic.
 """
 import triton
 import triton.language as tl
@@ -15,8 +17,8 @@ from .spec import KernelSpec
 SPEC = KernelSpec(
     "assemble_loss",
     params=(
-        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("wt_ptr", "*fp32"),
-        ("totals_ptr", "*fp32"), ("loss_ptr", "*fp32"),
+        ("lse_ptr", "*fp32"), ("gap_ptr", "*fp32"), ("ls_ptr", "*fp32"), ("wz_ptr", "*fp32"),
+        ("tgt_ptr", "*i64"), ("wt_ptr", "*fp32"), ("totals_ptr", "*fp32"), ("loss_ptr", "*fp32"),
         ("N", "i64"), ("V", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
         ("has_smoothing", "i32"), ("reduction", "i32"),
     ),
@@ -28,7 +30,7 @@ SPEC = KernelSpec(
 
 @triton.jit
 def assemble_loss_kernel(
-    lse_ptr, zt_ptr, wz_ptr, tgt_ptr, wt_ptr, totals_ptr, loss_ptr,
+    lse_ptr, gap_ptr, ls_ptr, wz_ptr, tgt_ptr, wt_ptr, totals_ptr, loss_ptr,
     N, V,
     label_smoothing, z_loss,
     has_smoothing, reduction,
@@ -47,7 +49,9 @@ def assemble_loss_kernel(
         w = tl.load(wt_ptr + rows, mask=in_range, other=0.0)
         counted = tl.load(tgt_ptr + rows, mask=in_range, other=-1) >= 0
         # an ignored row contributes exactly 0, whatever its logits (NaN or inf included), as in torch
-        ce = tl.where(counted, (1.0 - eps) * w * (lse - tl.load(zt_ptr + rows, mask=in_range, other=0.0)), 0.0)
+        gap = tl.load(gap_ptr + rows, mask=in_range, other=0.0)
+        log_sum = tl.load(ls_ptr + rows, mask=in_range, other=0.0)
+        ce = tl.where(counted, (1.0 - eps) * w * (gap + log_sum), 0.0)
         smooth = tl.zeros((BLOCK,), tl.float32)
         if has_smoothing:
             wz = tl.load(wz_ptr + rows, mask=in_range, other=0.0)

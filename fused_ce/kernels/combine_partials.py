@@ -1,9 +1,10 @@
 """Forward stage 2 of 3 over stored logits: the row statistics from the partials.
 
-Per row: ``lse = m + log(sum_s ps[s] * exp(pm[s] - m))`` over the segments'
-partials (logit_partials.py), the target's logit (one gathered load from the
-stored logits; 0 where the row is ignored) and, for label smoothing, the sum of
-the segments' weighted sums. The segments are combined in a fixed order, so the
+Per row: the max ``m``, ``log_sum = log(sum_s ps[s] * exp(pm[s] - m))`` over the
+segments' partials (logit_partials.py), ``lse = m + log_sum``, the target's gap
+``m - z_target`` (one gathered load from the stored logits; 0 where the row is
+ignored) and, for label smoothing, the sum of the segments' weighted sums. The
+loss takes ``gap + log_sum``: no cancellation between large numbers. The segments are combined in a fixed order, so the
 result is deterministic.
 """
 import triton
@@ -16,7 +17,7 @@ SPEC = KernelSpec(
     "combine_partials",
     params=(
         ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"), ("logits_ptr", "*T"), ("tgt_ptr", "*i64"),
-        ("lse_ptr", "*fp32"), ("zt_ptr", "*fp32"), ("wz_ptr", "*fp32"),
+        ("lse_ptr", "*fp32"), ("gap_ptr", "*fp32"), ("ls_ptr", "*fp32"), ("wz_ptr", "*fp32"),
         ("N", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_softcap", "i32"), ("has_smoothing", "i32"),
@@ -28,7 +29,7 @@ SPEC = KernelSpec(
 
 @triton.jit
 def combine_partials_kernel(
-    pm_ptr, ps_ptr, pw_ptr, logits_ptr, tgt_ptr, lse_ptr, zt_ptr, wz_ptr,
+    pm_ptr, ps_ptr, pw_ptr, logits_ptr, tgt_ptr, lse_ptr, gap_ptr, ls_ptr, wz_ptr,
     N, stride_ln, segments,
     logit_scale, softcap,
     has_softcap, has_smoothing,
@@ -52,11 +53,13 @@ def combine_partials_kernel(
         m = m_new
         if has_smoothing:
             wz += tl.sum(tl.load(pw_ptr + idx, mask=mask, other=0.0), axis=1)
-    tl.store(lse_ptr + rows, m + tl.log(tl.where(row_mask, s, 1.0)), mask=row_mask)
+    log_sum = tl.log(tl.where(row_mask, s, 1.0))
+    tl.store(lse_ptr + rows, m + log_sum, mask=row_mask)
+    tl.store(ls_ptr + rows, log_sum, mask=row_mask)
     if has_smoothing:
         tl.store(wz_ptr + rows, wz, mask=row_mask)
     tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
     valid = tgt >= 0
     zt = load_logits(logits_ptr + rows * stride_ln + tl.maximum(tgt, 0), row_mask & valid, logit_scale, softcap,
                      has_softcap, FAST_TANH)
-    tl.store(zt_ptr + rows, tl.where(valid, zt, 0.0), mask=row_mask)
+    tl.store(gap_ptr + rows, tl.where(valid, m - zt, 0.0), mask=row_mask)

@@ -135,8 +135,9 @@ def _transform_args(logits, logit_scale, softcap, smoothing):
 
 def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, softcap=None, smoothing=False,
                       config=None, combine_config=None):
-    """(lse, target_logit, weighted_z_sum or None) per row of stored raw logits [N, V], which stay as they are:
-    logit_partials, then combine_partials (cuda_stats_from_logits). ``config`` tiles the pass over the logits."""
+    """(lse, target_gap, log_sum, weighted_z_sum or None) per row of stored raw logits [N, V], which stay as
+    they are: logit_partials, then combine_partials (cuda_stats_from_logits; the gap is max - z_target and
+    log_sum is lse - max, both without cancellation). ``config`` tiles the pass over the logits."""
     N, V = logits.shape
     cfg = _config(_logit_partials, logits, config)
     combine_cfg = _config(_combine_partials, logits, combine_config)
@@ -148,14 +149,15 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
                  pw_ptr=partials[2], N=N, V=V, segments=segments, has_class_weight=int(class_weight is not None),
                  **common),
             **_tile_meta(cfg, logits))
-    stats = torch.empty(3, N, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(4, N, dtype=torch.float32, device=logits.device)
     common.pop("has_smoothing")
     _launch(_combine_partials, (triton.cdiv(N, combine_cfg.rows),),
             dict(pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], tgt_ptr=target, lse_ptr=stats[0],
-                 zt_ptr=stats[1], wz_ptr=stats[2], N=N, segments=segments, has_smoothing=int(smoothing), **common),
+                 gap_ptr=stats[1], ls_ptr=stats[2], wz_ptr=stats[3], N=N, segments=segments,
+                 has_smoothing=int(smoothing), **common),
             BLOCK_R=combine_cfg.rows, BLOCK=combine_cfg.block, FAST_TANH=_fast_tanh(logits),
             num_warps=combine_cfg.num_warps)
-    return stats[0], stats[1], stats[2] if smoothing else None
+    return stats[0], stats[1], stats[2], stats[3] if smoothing else None
 
 
 def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offset=0, class_weight=None,
@@ -206,17 +208,19 @@ def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=
     return tgt_out, wt, totals, int(bad.item()), (tuple(coef) if coefficients else None)
 
 
-def assemble_loss(lse, target_logit, weighted_z_sum, target, wt, totals, V, *, label_smoothing=0.0, z_loss=0.0,
-                  reduction="mean", config=None):
-    """The loss from row statistics (target: -1 where ignored; wt and totals from prepare_rows)."""
+def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, V, *, label_smoothing=0.0,
+                  z_loss=0.0, reduction="mean", config=None):
+    """The loss from row statistics (stats_from_logits'; target: -1 where ignored; wt and totals from
+    prepare_rows)."""
     N = lse.shape[0]
     cfg = _config(_assemble_loss, lse, config)
     code = {"none": 0, "mean": 1, "sum": 2}[reduction]
     loss = torch.empty(N if code == 0 else 1, dtype=torch.float32, device=lse.device)
     smoothing = weighted_z_sum is not None
     _launch(_assemble_loss, (1,),
-            dict(lse_ptr=lse, zt_ptr=target_logit, wz_ptr=_placeholder(lse, weighted_z_sum), tgt_ptr=target,
-                 wt_ptr=wt, totals_ptr=totals, loss_ptr=loss, N=N, V=V, label_smoothing=float(label_smoothing),
-                 z_loss=float(z_loss), has_smoothing=int(smoothing), reduction=code),
+            dict(lse_ptr=lse, gap_ptr=target_gap, ls_ptr=log_sum, wz_ptr=_placeholder(lse, weighted_z_sum),
+                 tgt_ptr=target, wt_ptr=wt, totals_ptr=totals, loss_ptr=loss, N=N, V=V,
+                 label_smoothing=float(label_smoothing), z_loss=float(z_loss), has_smoothing=int(smoothing),
+                 reduction=code),
             BLOCK=cfg.block, num_warps=cfg.num_warps)
     return loss if code == 0 else loss[0]
