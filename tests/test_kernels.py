@@ -8,10 +8,9 @@ fp16/fp32 only, since the interpreter's tl.dot mishandles bf16.
 import pytest
 import torch
 
-pytest.importorskip("triton")
-from fused_ce.kernels import configs, jit  # noqa: E402
-from helpers import KERNEL_DEVICE as DEVICE  # noqa: E402
-from reference import make_problem  # noqa: E402
+from fused_ce.kernels import configs, jit
+from helpers import KERNEL_DEVICE as DEVICE
+from reference import make_problem
 
 
 def transformed_logits(x, w, b, scale, softcap):
