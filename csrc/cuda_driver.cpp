@@ -46,6 +46,14 @@ struct Driver {
                              void**, void**);
 };
 
+// Every driver entry point of Driver, bound by name when libcuda is loaded.
+// clang-format off
+#define FCE_DRIVER_SYMBOLS(X)                                                                       \
+  X(cuInit) X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGet) X(cuDeviceGetAttribute)            \
+  X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuModuleLoadData)              \
+  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel)
+// clang-format on
+
 template <typename F>
 void bind(void* lib, F& fn, const char* name) {
   fn = reinterpret_cast<F>(dlsym(lib, name));
@@ -58,18 +66,9 @@ const Driver& driver() {
     if (lib == nullptr) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
     TORCH_CHECK(lib != nullptr, "fused_ce: cannot load the CUDA driver library libcuda.so.1: ", dlerror());
     Driver d{};
-    bind(lib, d.cuInit, "cuInit");
-    bind(lib, d.cuGetErrorName, "cuGetErrorName");
-    bind(lib, d.cuGetErrorString, "cuGetErrorString");
-    bind(lib, d.cuDeviceGet, "cuDeviceGet");
-    bind(lib, d.cuDeviceGetAttribute, "cuDeviceGetAttribute");
-    bind(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-    bind(lib, d.cuCtxGetCurrent, "cuCtxGetCurrent");
-    bind(lib, d.cuCtxSetCurrent, "cuCtxSetCurrent");
-    bind(lib, d.cuModuleLoadData, "cuModuleLoadData");
-    bind(lib, d.cuModuleGetFunction, "cuModuleGetFunction");
-    bind(lib, d.cuFuncSetAttribute, "cuFuncSetAttribute");
-    bind(lib, d.cuLaunchKernel, "cuLaunchKernel");
+#define FCE_BIND(name) bind(lib, d.name, #name);
+    FCE_DRIVER_SYMBOLS(FCE_BIND)
+#undef FCE_BIND
     return d;
   }();
   return d;

@@ -54,7 +54,9 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      const LossOptions& o) {
   TORCH_CHECK_VALUE(input.dim() >= 1, "linear_cross_entropy: input must have at least one dimension [..., D]");
-  TORCH_CHECK(linear_weight.dim() == 2, "linear_cross_entropy: linear_weight must be 2-D [V, D], got shape ",
+  TORCH_CHECK(linear_weight.dim() == 2,
+              "linear_cross_entropy: linear_weight must be 2-D [V, D] (K-dimensional losses with linear_weight "
+              "[C, d1, ..., D] are not supported), got shape ",
               shape(linear_weight.sizes()));
   const int64_t D = input.size(-1);
   const int64_t V = linear_weight.size(0);

@@ -1,4 +1,4 @@
-"""The module front: a drop-in for ``torch.nn.LinearCrossEntropyLoss``."""
+"""The module front: a drop-in for ``torch.nn.LinearCrossEntropyLoss`` (torch 2.13)."""
 
 import inspect
 
@@ -7,21 +7,22 @@ from typing_extensions import Unpack
 
 from .functional import LossKeywords, linear_cross_entropy
 
-# The loss keywords a module keeps as attributes, with linear_cross_entropy's defaults; its linear layer
-# supplies linear_bias, and `weight` (class weights) is a buffer.
-_DEFAULTS = {
-    name: p.default
-    for name, p in inspect.signature(linear_cross_entropy).parameters.items()
-    if p.kind is p.KEYWORD_ONLY and name not in ("linear_bias", "options")
+# The keywords of our own that a module keeps as attributes too, with linear_cross_entropy's defaults.
+_EXTRA_DEFAULTS = {
+    name: inspect.signature(linear_cross_entropy).parameters[name].default
+    for name in ("z_loss", "softcap", "logit_scale", "workspace_bytes")
 }
 
 
 class LinearCrossEntropyLoss(nn.Module):
     """A linear layer (``.linear``, weight ``[num_classes, in_features]``) followed by cross entropy.
 
-    ``forward(input, target)`` returns the loss of ``.linear(input)`` against ``target`` without
-    materialising the logits. The keywords are those of :func:`fused_ce.linear_cross_entropy`, kept as
-    attributes of the same names (``weight``, the class weights, as a buffer).
+    Constructor arguments and attributes are those of ``torch.nn.LinearCrossEntropyLoss`` (``num_classes``,
+    ``out_features``, ``reduction``, ``weight`` as a buffer, ``ignore_index``, ``label_smoothing``,
+    ``options``, accepted and ignored: this loss is always chunked), validated at construction as torch
+    does, plus fused_ce's own keywords (``z_loss``, ``softcap``, ``logit_scale``, ``workspace_bytes``,
+    ``return_lse``). ``forward(input, target)`` returns the loss of ``.linear(input)`` against ``target``
+    without materialising the logits. K-dimensional losses (``out_features != ()``) are not supported.
     """
 
     def __init__(
@@ -29,30 +30,57 @@ class LinearCrossEntropyLoss(nn.Module):
         in_features: int,
         num_classes: int,
         *,
+        out_features: tuple[int, ...] = (),
         bias: bool = False,
         device=None,
         dtype=None,
+        weight: Tensor | None = None,
         return_lse: bool = False,
         **keywords: Unpack[LossKeywords],
     ):
         super().__init__()
-        unknown = set(keywords) - set(_DEFAULTS)
+        if tuple(out_features) != ():
+            raise NotImplementedError(
+                f"LinearCrossEntropyLoss: K-dimensional losses (out_features={tuple(out_features)}) are not "
+                "supported by fused_ce; use torch.nn.LinearCrossEntropyLoss"
+            )
+        if weight is not None and tuple(weight.shape) != (num_classes,):
+            raise RuntimeError(f"expected weight shape to be {(num_classes,)}, got {tuple(weight.shape)}")
+        label_smoothing = keywords.get("label_smoothing", 0.0)
+        if label_smoothing < 0 or label_smoothing > 1.0:
+            raise RuntimeError(f"expected label_smoothing to be in range [0, 1], got {label_smoothing}")
+        unknown = set(keywords) - {"reduction", "ignore_index", "label_smoothing", "options", *_EXTRA_DEFAULTS}
         if unknown:
             raise TypeError(f"LinearCrossEntropyLoss got unexpected keyword arguments {sorted(unknown)}")
+        self.num_classes = num_classes
+        self.out_features = ()
         self.linear = nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
-        options = {**_DEFAULTS, **keywords, "return_lse": return_lse}
-        self.register_buffer("weight", options.pop("weight"))
-        if options["ignore_index"] is None:
-            options["ignore_index"] = -100
-        for name, value in options.items():
-            setattr(self, name, value)
+        self.register_buffer("weight", weight)
+        self.reduction = keywords.get("reduction", "mean")
+        self.ignore_index = keywords.get("ignore_index")  # None means -100, as in torch
+        self.label_smoothing = label_smoothing
+        self.options = keywords.get("options")
+        self.return_lse = return_lse
+        for name, default in _EXTRA_DEFAULTS.items():
+            setattr(self, name, keywords.get(name, default))
 
     def forward(self, input: Tensor, target: Tensor):
-        keywords = {name: getattr(self, name) for name in _DEFAULTS}
-        return linear_cross_entropy(input, self.linear.weight, target, linear_bias=self.linear.bias, **keywords)
+        return linear_cross_entropy(
+            input,
+            self.linear.weight,
+            target,
+            linear_bias=self.linear.bias,
+            weight=self.weight,
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            return_lse=self.return_lse,
+            **{name: getattr(self, name) for name in _EXTRA_DEFAULTS},
+        )
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.linear.in_features}, num_classes={self.linear.out_features}, "
-            f"bias={self.linear.bias is not None}, reduction={self.reduction!r}"
+            f"in_features={self.linear.in_features}, num_classes={self.num_classes}, "
+            f"out_features={self.out_features}, bias={self.linear.bias is not None}, reduction={self.reduction}, "
+            f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}"
         )

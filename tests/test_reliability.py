@@ -167,3 +167,58 @@ def test_loss_has_no_cancellation_at_large_logits(device, magnitude, reduction):
     loss = fused_ce.linear_cross_entropy(x, w, t, reduction=reduction)
     expected = torch.full_like(loss, torch.log(torch.tensor(8.0)).item())
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+
+
+TorchModule = getattr(torch.nn, "LinearCrossEntropyLoss", None)
+needs_torch_module = pytest.mark.skipif(TorchModule is None, reason="torch < 2.13 has no nn.LinearCrossEntropyLoss")
+
+
+@needs_torch_module
+def test_module_takes_torchs_constructor_arguments_and_attributes():
+    import inspect
+
+    theirs = inspect.signature(TorchModule.__init__).parameters
+    ours = inspect.signature(fused_ce.LinearCrossEntropyLoss.__init__).parameters
+    takes_keywords = any(p.kind is p.VAR_KEYWORD for p in ours.values())
+    for name, p in theirs.items():
+        assert name in ours or (takes_keywords and p.kind is p.KEYWORD_ONLY), name
+    cw = torch.rand(30) + 0.5
+    kw = dict(bias=True, weight=cw, reduction="sum", ignore_index=3, label_smoothing=0.1, options=None)
+    torch.manual_seed(0)
+    a = TorchModule(16, 30, **kw)
+    b = fused_ce.LinearCrossEntropyLoss(16, 30, **kw)
+    for attr in ("num_classes", "out_features", "reduction", "ignore_index", "label_smoothing", "options"):
+        assert getattr(a, attr) == getattr(b, attr), attr
+    assert torch.equal(a.weight, b.weight) and a.state_dict().keys() == b.state_dict().keys()
+    b.load_state_dict(a.state_dict())
+    x, _, t, _ = make_problem(20, 16, 30)
+    t = t.clamp_min(0)
+    t[::4] = 3
+    assert rel_err(b(x, t), a(x, t)) < 1e-5
+    default = fused_ce.LinearCrossEntropyLoss(16, 30)
+    # ignore_index None means -100, as in torch
+    assert default.ignore_index is None and default(x, t.masked_fill(t == 3, -100)).isfinite()
+
+
+@pytest.mark.parametrize(
+    "kw, exc",
+    [
+        (dict(weight=torch.ones(29)), RuntimeError),
+        (dict(label_smoothing=1.5), RuntimeError),
+        (dict(label_smoothing=-0.5), RuntimeError),
+        (dict(out_features=(2,)), NotImplementedError),
+        (dict(no_such_option=1), TypeError),
+    ],
+)
+def test_module_validates_at_construction(kw, exc):
+    with pytest.raises(exc):
+        fused_ce.LinearCrossEntropyLoss(16, 30, **kw)
+    if TorchModule is not None and exc is RuntimeError:
+        with pytest.raises(RuntimeError):  # torch's own module raises the same
+            TorchModule(16, 30, **kw)
+
+
+def test_k_dimensional_linear_weight_is_a_clear_error():
+    x, w, t, _ = make_problem(8, 6, 10)
+    with pytest.raises(RuntimeError, match="K-dimensional losses"):
+        fused_ce.linear_cross_entropy(x, w.reshape(10, 2, 3), t)
