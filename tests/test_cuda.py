@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fused_ce
+from helpers import needs_profiler
 from reference import make_problem, reference_loss, rel_err
 
 pytestmark = pytest.mark.cuda
@@ -33,6 +34,7 @@ STRATEGY_KERNELS = {
 ALL_STAGE_KERNELS = set().union(*STRATEGY_KERNELS.values())
 
 
+@needs_profiler
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_executors_follow_the_plan(dtype, aligned):
@@ -69,6 +71,7 @@ def test_executors_follow_the_plan(dtype, aligned):
         assert any("prepare_rows_kernel" in n for n in names), name
 
 
+@needs_profiler
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_scalar_loss_step_runs_no_aten_kernels(dtype):
     # The per-row bookkeeping (targets, weights, coefficients, the loss) is done by
@@ -94,6 +97,7 @@ def test_scalar_loss_step_runs_no_aten_kernels(dtype):
         assert any(kernel in n for n in names), (kernel, sorted(names))
 
 
+@needs_profiler
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(3001, 129), (3000, 128)])  # the general and the aligned variant
 def test_scale_grad_skips_unit_scale(dtype, shape):
@@ -113,6 +117,7 @@ def test_scale_grad_skips_unit_scale(dtype, shape):
     assert torch.equal(odd, (odd_before.float() * s).to(dtype))
 
 
+@needs_profiler
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "features",
@@ -235,3 +240,60 @@ def test_llama3_shape_bf16_against_float32():
         err, torch_err = rel_err(o, r), rel_err(e, r)
         print(f"{name}: fused_ce {err:.2e}  torch bf16 {torch_err:.2e}")
         assert err <= 1.5 * torch_err + 1e-6, (name, err, torch_err)
+
+
+def test_threads_on_separate_streams_match_one_thread():
+    # eight threads calling the op at once, each on its own stream, give the single-thread results bitwise
+    import threading
+
+    problems = [make_problem(300, 128, 3000, dtype=torch.bfloat16, device="cuda", bias=True, seed=i) for i in range(8)]
+
+    def step(x, w, t, b):
+        leaves = [v.detach().clone().requires_grad_() for v in (x, w, b)]
+        loss = fused_ce.linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], label_smoothing=0.1)
+        loss.backward()
+        return [loss.detach()] + [v.grad for v in leaves]
+
+    expected = [step(*p) for p in problems]
+    torch.cuda.synchronize()
+    results, errors = [None] * 8, []
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    results[i] = step(*problems[i])
+            stream.synchronize()
+        except Exception as exc:  # reported below: a thread's exception is otherwise lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for got, exp in zip(results, expected):
+        for a, b in zip(got, exp):
+            assert torch.equal(a, b)
+
+
+def test_many_steps_leave_memory_flat():
+    x, w, t, b = make_problem(512, 256, 4000, dtype=torch.bfloat16, device="cuda", bias=True)
+    leaves = [v.detach().clone().requires_grad_() for v in (x, w, b)]
+
+    def step():
+        for v in leaves:
+            v.grad = None
+        fused_ce.linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], z_loss=1e-4).backward()
+        fused_ce.linear_cross_entropy(leaves[0], leaves[1], t, reduction="none").sum().backward()
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(1000):
+        step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before

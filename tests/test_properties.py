@@ -107,7 +107,7 @@ def test_cpu_matches_float64_reference(case):
 
 
 @pytest.mark.cuda
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems([torch.bfloat16, torch.float16, torch.float32]))
 def test_cuda_matches_float64_reference(case):
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[case["dtype"]]
