@@ -8,13 +8,23 @@ triton: the CUDA kernels are embedded cubins.
 
 import torch
 
+from ._built_with import TORCH_VERSION as _BUILT_WITH
+
+if torch.__version__.split("+")[0] != _BUILT_WITH:
+    raise ImportError(
+        f"fused_ce was built against torch {_BUILT_WITH} but torch {torch.__version__} is installed: its compiled "
+        f"library loads only with the torch it was built against. Install torch=={_BUILT_WITH}, or rebuild "
+        "fused_ce against this torch (pip install --no-build-isolation --force-reinstall --no-deps ...)."
+    )
+
+# the library only after the version check: loading it with another torch fails on undefined symbols
 from . import (
-    _C,  # noqa: F401  (registers the ops)
-    _fake,  # noqa: F401  (fake kernels for FakeTensor / torch.compile)
+    _C,  # noqa: E402, F401  (registers the ops)
+    _fake,  # noqa: E402, F401  (fake kernels for FakeTensor / torch.compile)
 )
-from ._version import __version__
-from .functional import Plan, linear_cross_entropy, plan
-from .modules import LinearCrossEntropyLoss
+from ._version import __version__  # noqa: E402
+from .functional import Plan, linear_cross_entropy, plan  # noqa: E402
+from .modules import LinearCrossEntropyLoss  # noqa: E402
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "plan", "Plan", "cuda_archs", "__version__"]
 

@@ -85,3 +85,11 @@ def test_aligned_memory_bound_kernels_vectorise(kernel):
     assert "ld.global.v4" in ptx and "ld.global.b16" not in ptx
     if kernel != "logit_partials":  # it stores per-row partials only
         assert "st.global.v4" in ptx and "st.global.b16" not in ptx
+
+
+def test_import_names_both_torch_versions_on_mismatch():
+    # a build loads only with the torch it was compiled against: a clear error instead of undefined symbols
+    code = "import torch; torch.__version__ = '9.9.9+cpu'; import fused_ce"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "ImportError" in out.stderr and "9.9.9" in out.stderr and torch.__version__.split("+")[0] in out.stderr

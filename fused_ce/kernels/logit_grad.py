@@ -9,7 +9,7 @@ the logits tile, and writes
 
 with p = exp(z - lse). The per-row coefficients fold the upstream gradient, the
 reduction, class weights, label smoothing, z-loss and the gradient of the
-returned lse (see csrc/loss.cpp), so one kernel serves every loss variant.
+returned lse (csrc/loss_terms.cpp), so one kernel serves every loss variant.
 The caller multiplies g back through w and x with GEMMs.
 """
 import triton

@@ -5,7 +5,7 @@ without class weights; 0 where ignored) and whether the class index is out of
 range; over all rows: the summed weights, the number of counted rows, the number
 of bad class indices and the sum of the class weights. With
 ``write_coefficients``, also the logit-gradient coefficients of a scalar loss
-for an upstream gradient of 1 (see csrc/stages.h):
+for an upstream gradient of 1 (see GradCoefficients in csrc/problem.h):
 ``alpha = g_ce * ((1 - eps) * wt + eps / V * sum(cw) * valid)``,
 ``alpha_lse = 2 * z_loss * g_z * valid``, ``beta = g_ce * (1 - eps) * wt``,
 ``gamma = g_ce * eps / V * valid``, with ``g_ce = 1 / sum(wt)`` and

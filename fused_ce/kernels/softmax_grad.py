@@ -6,7 +6,7 @@ BLOCK_R x BLOCK tile of raw logits and overwrites it with
 ``dL/dlogit = logit_scale * softcap'(z) * (p * alpha - beta * onehot - gamma * cw)``
 where ``alpha = alpha0 + alpha_lse * lse`` (the z-loss term needs the lse).
 The block may be a vocabulary slice starting at column ``col_offset`` (lean
-workspaces, loss.cpp): targets are absolute class indices, ``cw_ptr`` points at
+workspaces, Strategy::VocabTiles in csrc/plan.h): targets are absolute class indices, ``cw_ptr`` points at
 the slice's first class weight. Programs run in the reverse order of
 logit_partials', so the first tiles re-read are the last ones read there, still
 in L2.

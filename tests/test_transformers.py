@@ -1,0 +1,221 @@
+"""fused_ce.integrations.transformers: tiny models of every family built in code (no downloads) give the unpatched
+model's loss and gradients, gradient accumulation, a Trainer step, generation and torch.compile."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import DEVICES
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+from fused_ce.integrations.transformers import FAMILIES, ForCausalLMLoss, apply  # noqa: E402
+
+V = 101  # odd: no alignment to lean on
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "gemma2": ("Gemma2Config", dict(final_logit_softcapping=3.0)),  # small cap: its effect is visible
+    "gemma3_text": ("Gemma3TextConfig", dict(final_logit_softcapping=3.0)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+}
+
+
+def tiny_model(family, device="cpu", seed=0):
+    config_name, extra = CONFIGS[family]
+    config = getattr(transformers, config_name)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    return getattr(transformers, FAMILIES[family])(config).to(device).eval()
+
+
+def batch(device, rows=3, length=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (rows, length), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt
+    labels[-1, -3:] = -100  # padding
+    return ids.to(device), labels.to(device)
+
+
+def grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_patched_loss_and_every_gradient_match(family, device):
+    ref = tiny_model(family, device)
+    model = apply(copy.deepcopy(ref))
+    ids, labels = batch(device)
+    expected = ref(input_ids=ids, labels=labels)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None  # never built
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    expected.loss.backward()
+    out.loss.backward()
+    want, got = grads(ref), grads(model)
+    assert want.keys() == got.keys() and len(want) == len(list(ref.parameters()))  # every parameter (tied: once)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_gradient_accumulation_with_num_items_in_batch(family):
+    # four micro-batches, each divided by the whole batch's token count: their sum is the one-batch loss
+    model = apply(tiny_model(family))
+    ids, labels = batch("cpu", rows=8)
+    whole = model(input_ids=ids, labels=labels).loss
+    whole.backward()
+    one_batch = {n: g.clone() for n, g in grads(model).items()}
+    model.zero_grad()
+    count = (labels[:, 1:] != -100).sum()
+    total = 0.0
+    for part in range(4):
+        rows = slice(2 * part, 2 * part + 2)
+        loss = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=count).loss
+        loss.backward()
+        total = total + loss.detach()
+    torch.testing.assert_close(total, whole.detach(), rtol=1e-5, atol=1e-6)
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, one_batch[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_shift_labels_and_logits_to_keep():
+    ref = tiny_model("llama")
+    model = apply(copy.deepcopy(ref))
+    ids, labels = batch("cpu")
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    expected = ref(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(model(input_ids=ids, shift_labels=shifted).loss, expected, rtol=1e-5, atol=1e-6)
+    # logits_to_keep: the loss over the last positions only, as transformers slices the hidden states
+    keep = 5
+    want = ref(input_ids=ids, logits_to_keep=keep).logits
+    got = model(input_ids=ids, labels=ids[:, -keep:], logits_to_keep=keep).loss
+    ref_loss = transformers.loss.loss_utils.ForCausalLMLoss(want, ids[:, -keep:], V)
+    torch.testing.assert_close(got, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_function_signature_serves_the_hook():
+    # the fused-linear loss transformers' kernel mapping calls: hidden states and the lm_head weight
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 7, 16, generator=g), torch.randn(V, 16, generator=g)
+    labels = torch.randint(0, V, (2, 7), generator=g)
+    got = ForCausalLMLoss(hidden, weight, labels, hidden_size=16, num_items_in_batch=torch.tensor(9))
+    want = transformers.loss.loss_utils.ForCausalLMLoss(hidden @ weight.T, labels, V, num_items_in_batch=9)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_and_label_less_forward_unchanged():
+    ref = tiny_model("qwen2")
+    model = apply(copy.deepcopy(ref))
+    ids, _ = batch("cpu", rows=2, length=6)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_apply_by_class_and_family_and_detection():
+    cls = transformers.MistralForCausalLM
+    original = cls.forward
+    try:
+        assert apply("mistral") is cls and cls.forward is not original
+        assert apply(cls) is cls  # once
+        model = tiny_model("mistral")
+        ids, labels = batch("cpu")
+        assert model(input_ids=ids, labels=labels).logits is None
+    finally:
+        cls.forward = original
+    with pytest.raises(ValueError, match="unknown family"):
+        apply("gpt-17")
+    with pytest.raises(TypeError, match="ForCausalLM"):
+        apply(torch.nn.Linear(2, 2))
+
+
+def test_trainer_step_runs(tmp_path):
+    model = apply(tiny_model("llama"))
+    ids, labels = batch("cpu", rows=8)
+    data = [dict(input_ids=i, labels=lab) for i, lab in zip(ids, labels)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=1,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    before = model.lm_head.weight.detach().clone()
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(before, model.lm_head.weight)  # tied to the embedding, trained through the loss
+
+
+def test_compile_has_no_graph_break_at_the_loss():
+    model = apply(tiny_model("llama"))
+    ids, labels = batch("cpu")
+    explanation = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+    reasons = " ".join(str(b.reason) for b in explanation.break_reasons)
+    assert "fused_ce" not in reasons and "linear_cross_entropy" not in reasons, reasons
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
+
+
+def test_import_fused_ce_does_not_import_transformers():
+    code = "import sys, fused_ce; assert 'transformers' not in sys.modules; print('ok')"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_training_example_runs(tmp_path):
+    # examples/train_causal_lm.py on a tiny setting: both runs train and print the comparison table
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [
+        "--device",
+        "cpu",
+        "--steps",
+        "12",
+        "--vocab",
+        "600",
+        "--corpus-mib",
+        "0.5",
+        "--dim",
+        "64",
+        "--layers",
+        "1",
+        "--seq",
+        "64",
+        "--batch",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "train_causal_lm.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| transformers") or line.startswith("| fused")]
+    assert len(rows) == 2, out.stdout
