@@ -26,6 +26,12 @@ TORCH_VERSION = torch.__version__.split("+")[0]
 
 
 class BuildWithKernels(BuildExtension):
+    def finalize_options(self):
+        super().finalize_options()
+        # A fixed place for the objects (an editable install otherwise builds in a fresh temporary directory),
+        # so that a reinstall recompiles only what changed (ninja).
+        self.build_temp = str(ROOT / "build" / "temp")
+
     def build_extensions(self):
         # A fixed place (not build_temp, which editable installs delete) so rebuilds reuse it.
         out_dir = ROOT / "build" / "aot"

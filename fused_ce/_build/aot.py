@@ -12,6 +12,7 @@ explicit ``GPUTarget`` per architecture. Writes, under ``out_dir``:
 Usage (as a script: the fused_ce package cannot be imported before its library
 is built): ``python fused_ce/_build/aot.py OUT_DIR [--archs 80,90]``.
 """
+
 import argparse
 import concurrent.futures
 import hashlib
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 _KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
@@ -32,7 +34,8 @@ def _kernels_package():
     name = "_fused_ce_kernels"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            name, _KERNEL_DIR / "__init__.py", submodule_search_locations=[str(_KERNEL_DIR)])
+            name, _KERNEL_DIR / "__init__.py", submodule_search_locations=[str(_KERNEL_DIR)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -63,8 +66,12 @@ def variant_spec(kernel, dtype, layout, arch):
     cfg = configs.config(spec.family, arch, dtype)
     if spec.family == "gemm":
         constexprs = {
-            "BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d, "GROUP_N": cfg.group_n,
-            "EVEN_D": aligned, "DOT_PRECISION": configs.dot_precision(dtype),
+            "BLOCK_N": cfg.block_n,
+            "BLOCK_V": cfg.block_v,
+            "BLOCK_D": cfg.block_d,
+            "GROUP_N": cfg.group_n,
+            "EVEN_D": aligned,
+            "DOT_PRECISION": configs.dot_precision(dtype),
         }
         blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d, group_n=cfg.group_n)
     else:
@@ -127,9 +134,17 @@ def compile_variant(kernel, dtype, layout, arch, out_dir):
     path = Path(out_dir) / f"{kernel}_{dtype}_{layout}_sm{arch}.cubin"
     path.write_bytes(cubin)
     return {
-        "kernel": kernel, "dtype": dtype, "layout": layout, "arch": arch,
-        "cubin": str(path.resolve()), "function": meta.name, "shared": int(meta.shared),
-        "num_warps": options["num_warps"], **blocks, "params": params, "extra_params": total_params - len(params),
+        "kernel": kernel,
+        "dtype": dtype,
+        "layout": layout,
+        "arch": arch,
+        "cubin": str(path.resolve()),
+        "function": meta.name,
+        "shared": int(meta.shared),
+        "num_warps": options["num_warps"],
+        **blocks,
+        "params": params,
+        "extra_params": total_params - len(params),
     }
 
 
@@ -150,13 +165,25 @@ def requested_archs(explicit=None):
     return sorted(set(archs))
 
 
-def _source_hash(archs):
+def _sources_digest():
     import triton
+
     h = hashlib.sha256()
     for path in sorted(_KERNEL_DIR.glob("*.py")) + [Path(__file__)]:
         h.update(path.read_bytes())
-    h.update(repr((triton.__version__, archs)).encode())
+    h.update(triton.__version__.encode())
     return h.hexdigest()
+
+
+def _progress_stream():
+    """Where progress lines go: the terminal where there is one (pip captures the build's output and shows it
+    only with -v), else standard output."""
+    if sys.stdout.isatty():
+        return sys.stdout
+    try:
+        return open("/dev/tty", "w")  # noqa: SIM115  (kept open for the build)
+    except OSError:
+        return sys.stdout
 
 
 def _emit_table(variants, out_dir):
@@ -165,7 +192,8 @@ def _emit_table(variants, out_dir):
         lines.append(
             f'__asm__(".section .rodata\\n.balign 16\\n.global fce_cubin_{i}\\n.hidden fce_cubin_{i}\\n'
             f'fce_cubin_{i}:\\n.incbin \\"{v["cubin"]}\\"\\n.global fce_cubin_{i}_end\\n'
-            f'.hidden fce_cubin_{i}_end\\nfce_cubin_{i}_end:\\n.previous\\n");')
+            f'.hidden fce_cubin_{i}_end\\nfce_cubin_{i}_end:\\n.previous\\n");'
+        )
         lines.append(f'extern "C" const unsigned char fce_cubin_{i}[], fce_cubin_{i}_end[];')
         names = ", ".join(f'"{n}"' for n, _ in v["params"])
         types = ", ".join(f'"{t}"' for _, t in v["params"])
@@ -176,15 +204,18 @@ def _emit_table(variants, out_dir):
         lines.append(
             f'  {{"{v["kernel"]}", "{v["dtype"]}", "{v["layout"]}", {v["arch"]}, fce_cubin_{i}, '
             f'fce_cubin_{i}_end, "{v["function"]}", {v["num_warps"]}, {v["shared"]}, {v["block_n"]}, '
-            f'{v["block_v"]}, {v["block_d"]}, {v["group_n"]}, {len(v["params"])}, fce_param_names_{i}, '
-            f'fce_param_types_{i}, '
-            f'{v["extra_params"]}}},')
+            f"{v['block_v']}, {v['block_d']}, {v['group_n']}, {len(v['params'])}, fce_param_names_{i}, "
+            f"fce_param_types_{i}, "
+            f"{v['extra_params']}}},"
+        )
     if not variants:
         lines.append("  {}")
     lines += ["};", f"const int kNumKernelVariants = {len(variants)};", "", "const ArchConstants kArchConstants[] = {"]
     for arch, c in sorted(configs.ARCH_CONSTANTS.items()):
-        lines.append(f"  {{{arch}, {c.memory_bytes_per_s!r}, {c.gemm_flops_per_s!r}, {c.min_stored_rows}, "
-                     f"{c.gemm_tile_rows}, {c.vocab_tile_rows}}},")
+        lines.append(
+            f"  {{{arch}, {c.memory_bytes_per_s!r}, {c.gemm_flops_per_s!r}, {c.min_stored_rows}, "
+            f"{c.gemm_tile_rows}, {c.vocab_tile_rows}}},"
+        )
     lines += ["};", f"const int kNumArchConstants = {len(configs.ARCH_CONSTANTS)};", "}  // namespace fused_ce", ""]
     (Path(out_dir) / "kernel_table.cpp").write_text("\n".join(lines))
 
@@ -194,27 +225,47 @@ def build(out_dir, archs=None, jobs=None, log=print):
     out_dir.mkdir(parents=True, exist_ok=True)
     archs = requested_archs(archs)
     stamp = out_dir / "stamp.json"
-    digest = _source_hash(archs)
-    if stamp.exists() and json.loads(stamp.read_text()).get("hash") == digest \
-            and (out_dir / "kernel_table.cpp").exists():
+    digest = hashlib.sha256(f"{_sources_digest()}/{archs}".encode()).hexdigest()
+    if (
+        stamp.exists()
+        and json.loads(stamp.read_text()).get("hash") == digest
+        and (out_dir / "kernel_table.cpp").exists()
+    ):
         log(f"fused_ce AOT: kernels up to date for sm_{archs}")
         return json.loads(stamp.read_text())["archs"]
     jobs = jobs or max(1, os.cpu_count() or 1)
-    work = [(k, d, l, a, str(out_dir)) for a in archs for k in configs.KERNELS for d, l in kernel_spec(k).variants()]
+    work = [
+        (kernel, dtype, layout, arch, str(out_dir))
+        for arch in archs
+        for kernel in configs.KERNELS
+        for dtype, layout in kernel_spec(kernel).variants()
+    ]
     results, failed = {}, {}
+    progress = _progress_stream()
+    start = time.monotonic()
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(compile_variant, *w): w for w in work}
-        for fut in concurrent.futures.as_completed(futures):
-            k, d, l, a, _ = futures[fut]
+        for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            kernel, dtype, layout, arch, _ = futures[fut]
             try:
-                results[(a, k, d, l)] = fut.result()
+                results[(arch, kernel, dtype, layout)] = fut.result()
+                status = "done"
             except Exception as exc:  # an arch this triton cannot target
-                failed.setdefault(a, f"{k}/{d}/{l}: {type(exc).__name__}: {exc}".splitlines()[0])
+                failed.setdefault(arch, f"{kernel}/{dtype}/{layout}: {type(exc).__name__}: {exc}".splitlines()[0])
+                status = "failed"
+            print(
+                f"fused_ce AOT [{done}/{len(work)}] sm_{arch} {kernel} {dtype} {layout}: {status} "
+                f"({time.monotonic() - start:.0f} s)",
+                file=progress,
+                flush=True,
+            )
     built = []
     for a in archs:
         if a in failed:
             msg = f"fused_ce AOT: skipping sm_{a}, triton cannot compile it ({failed[a]})"
-            if a in (100, 120) and not (os.environ.get("FUSED_CE_CUDA_ARCHS") or os.environ.get("TORCH_CUDA_ARCH_LIST")):
+            if a in (100, 120) and not (
+                os.environ.get("FUSED_CE_CUDA_ARCHS") or os.environ.get("TORCH_CUDA_ARCH_LIST")
+            ):
                 log(msg)
                 continue
             raise RuntimeError(msg)
@@ -222,15 +273,23 @@ def build(out_dir, archs=None, jobs=None, log=print):
     variants = [results[key] for key in sorted(results) if key[0] in built]
     _emit_table(variants, out_dir)
     stamp.write_text(json.dumps({"hash": digest, "archs": built}))
-    log(f"fused_ce AOT: compiled {len(variants)} kernel variants for sm_{built}")
+    log(
+        f"fused_ce AOT: {len(variants)} kernel variants for sm_{built} in {time.monotonic() - start:.0f} s "
+        "(triton's cache, ~/.triton/cache, makes a rebuild of unchanged kernels fast)"
+    )
     return built
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--archs", default=None, help="e.g. 80,90 (default: $FUSED_CE_CUDA_ARCHS, "
-                        "$TORCH_CUDA_ARCH_LIST, else %s)" % ",".join(map(str, configs.DEFAULT_ARCHS)))
+    parser.add_argument(
+        "--archs",
+        default=None,
+        help="e.g. 80,90 (default: $FUSED_CE_CUDA_ARCHS, $TORCH_CUDA_ARCH_LIST, else "
+        + ",".join(map(str, configs.DEFAULT_ARCHS))
+        + ")",
+    )
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args(argv)
     build(args.out_dir, args.archs, args.jobs)
