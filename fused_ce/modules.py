@@ -7,10 +7,13 @@ from typing_extensions import Unpack
 
 from .functional import LossKeywords, linear_cross_entropy
 
-# The keywords of our own that a module keeps as attributes too, with linear_cross_entropy's defaults.
+# The keywords of fused_ce's own (those torch's module does not take), kept as attributes too, with
+# linear_cross_entropy's defaults: a new option of the functional front reaches the module by itself.
+_TORCH_KEYWORDS = {"linear_bias", "weight", "reduction", "ignore_index", "label_smoothing", "options", "return_lse"}
 _EXTRA_DEFAULTS = {
-    name: inspect.signature(linear_cross_entropy).parameters[name].default
-    for name in ("z_loss", "softcap", "logit_scale", "workspace_bytes")
+    name: p.default
+    for name, p in inspect.signature(linear_cross_entropy).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name not in _TORCH_KEYWORDS
 }
 
 
