@@ -14,3 +14,8 @@ KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 # run there, so the tests that read kernel names from it skip.
 UNDER_SANITIZER = bool(os.environ.get("FUSED_CE_UNDER_SANITIZER"))
 needs_profiler = pytest.mark.skipif(UNDER_SANITIZER, reason="the profiler (CUPTI) does not run under compute-sanitizer")
+
+
+def leaves(*tensors):
+    """Fresh leaf copies that require grad (None stays None)."""
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]

@@ -4,12 +4,8 @@ import pytest
 import torch
 
 import fused_ce
-from helpers import DEVICES
+from helpers import DEVICES, leaves
 from reference import make_problem, reference_loss, rel_err
-
-
-def leaves(*ts):
-    return [None if t is None else t.detach().clone().requires_grad_() for t in ts]
 
 
 @pytest.mark.parametrize("device", DEVICES)
