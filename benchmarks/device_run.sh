@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run every test, benchmark; short table last.
-#   [SKIP_TESTS=1] [SANITIZE=1] [FEATURES=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [SKIP_BENCH=1] \
+#   [SKIP_TESTS=1] [SANITIZE=1] [FEATURES=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [SKIP_BENCH=1] \
 #     bash benchmarks/device_run.sh [bench.py arguments]
+# TP (two GPUs; the test suite has the NCCL test): the tensor-parallel example and benchmarks/bench_tp.py.
 # SANITIZE: compute-sanitizer memcheck and racecheck over CUDA tests, cuBLAS's kernels (nvjet) left out: they
 # report hazards of their own. The profiler cannot run there, so the tests that read kernel names skip.
 # Peers that the machine lacks travel as wheels in .whl/ (see benchmarks/NOTES.md).
@@ -28,6 +29,13 @@ if [ -n "${SANITIZE:-}" ]; then
       tests/test_cuda.py -k "cuda and not llama3 and not many_steps and not threads" 2>&1 | tee "$OUT/$tool.log" \
       | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" | sed "s/^/$tool: /"
   done
+fi
+if [ -n "${ACCURACY:-}" ]; then
+  python3 benchmarks/accuracy_vs_n.py 2>&1 | tee "$OUT/accuracy.log" | tail -6
+fi
+if [ -n "${TP:-}" ]; then
+  python3 -m torch.distributed.run --nproc-per-node 2 examples/tp_train.py --steps 20 2>&1 | grep -E "^step|Error"
+  python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_tp.py 2>&1 | tee "$OUT/tp.log" | grep -vE "^W[0-9]+|^\*+$"
 fi
 if [ -n "${FEATURES:-}" ]; then
   python3 benchmarks/bench_features.py 2>&1 | tee "$OUT/features.log" | tail -16

@@ -9,6 +9,26 @@
 
 namespace fused_ce {
 
+namespace {
+
+// cuBLAS accumulating a bf16/fp16 product straight into a float32 out
+// (addmm.dtype_out with out as self): torch accepts a float32 self there from
+// some version on; probed once per process, else a float32 product is added.
+bool float32_accumulating_addmm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  static const bool supported = [&] {
+    try {
+      at::Tensor acc = at::zeros({1, 1}, out.options());
+      at::addmm_out(acc, acc, at::ones({1, 1}, a.options()), at::ones({1, 1}, b.options()), at::kFloat);
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return supported;
+}
+
+}  // namespace
+
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
   if (out.scalar_type() == a.scalar_type()) {
     if (accumulate) {
@@ -16,6 +36,8 @@ void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool ac
     } else {
       at::mm_out(out, a, b);
     }
+  } else if (out.is_cuda() && out.scalar_type() == at::kFloat && float32_accumulating_addmm(out, a, b)) {
+    at::addmm_out(out, out, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0);
   } else if (accumulate) {
     out.add_(at::mm(a, b));
   } else {

@@ -7,6 +7,7 @@
 #include "cuda_stages.h"
 #include "executors.h"
 #include "loss_terms.h"
+#include "vocab_parallel.h"
 
 namespace fused_ce {
 namespace {
@@ -22,6 +23,13 @@ at::Tensor counted_rows_t_times(const at::Tensor& x, const at::Tensor& gamma, in
     sum.add_(at::mv(xr.t(), g.to(x.scalar_type())));
   }
   return sum.to(x.scalar_type());
+}
+
+void copy_stats(const RowStats& out, const RowStats& part, bool smoothing) {
+  out.lse.copy_(part.lse);
+  out.target_gap.copy_(part.target_gap);
+  out.log_sum.copy_(part.log_sum);
+  if (smoothing) out.weighted_z_sum.copy_(part.weighted_z_sum);
 }
 
 Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
@@ -62,7 +70,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     neg_gamma = c.gamma * -p.logit_scale;  // [N] float32
     s.weighted_z_sum = weighted_z_sum(p, u);
     if (need[1])
-      g.weight = at::outer(p.class_weight.to(gemm_dtype), counted_rows_t_times(x, neg_gamma, plan.block_rows));
+      g.weight.copy_(at::outer(p.class_weight.to(gemm_dtype), counted_rows_t_times(x, neg_gamma, plan.block_rows)));
     if (need[2]) g.bias.add_(p.class_weight * neg_gamma.sum());
   }
   const int64_t rows = plan.block_rows;
@@ -77,15 +85,20 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       block = logits_buffer.narrow(0, 0, r1 - r0);
       logits_into(pr, block);
       cuda_stats_from_logits(pr, block, block_stats, smoothing_in_kernel);
+      if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
       cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
+    } else if (o.vocab_parallel()) {  // the lse over all shards before the gradient: the logits twice (CPU)
+      const RowStats part = aten_row_stats(pr, smoothing_in_kernel, r1 - r0);
+      copy_stats(block_stats, part, smoothing_in_kernel);
+      combine_vocab_shards(pr, block_stats, o);
+      GradCoefficients with_lse = cr;
+      with_lse.lse = block_stats.lse;
+      block = aten_logit_grad(pr, with_lse, 0, p.V).to(gemm_dtype);
     } else {
       RowStats part;
       std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, smoothing_in_kernel);
       block = block.to(gemm_dtype);
-      block_stats.lse.copy_(part.lse);
-      block_stats.target_gap.copy_(part.target_gap);
-      block_stats.log_sum.copy_(part.log_sum);
-      if (smoothing_in_kernel) block_stats.weighted_z_sum.copy_(part.weighted_z_sum);
+      copy_stats(block_stats, part, smoothing_in_kernel);
     }
     if (need[0]) {
       at::Tensor gx = g.input.narrow(0, r0, r1 - r0);
@@ -107,6 +120,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
 std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
                                        const GradCoefficients& c, GradMask need) {
   const RowStats s = stats_from_stored_logits(p, o, plan, plan.stats_block_rows);
+  if (o.vocab_parallel()) combine_vocab_shards(p, s, o);
   const int64_t rows = plan.block_rows, cols = plan.tile_cols;
   Grads g = allocate_grads(p, plan, need);
   const at::Tensor buffer = at::empty({rows * cols}, p.x.options());
@@ -134,6 +148,7 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
 std::pair<RowStats, Grads> dot_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
                                      const GradCoefficients& c, GradMask need) {
   const RowStats s = cuda_row_stats(p, o.smoothing());
+  if (o.vocab_parallel()) combine_vocab_shards(p, s, o);
   GradCoefficients with_lse = c;
   with_lse.lse = s.lse;
   return {s, recomputed_grads(p, plan, with_lse, need)};

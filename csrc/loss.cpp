@@ -5,6 +5,7 @@
 #include "loss_terms.h"
 #include "plan.h"
 #include "problem.h"
+#include "vocab_parallel.h"
 
 namespace fused_ce {
 namespace {
@@ -31,12 +32,21 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(const at::Tensor& input,
                                                         const at::Tensor& target,
                                                         const std::optional<at::Tensor>& linear_bias,
                                                         const std::optional<at::Tensor>& weight,
-                                                        FUSED_CE_OPTION_PARAMS) {
+                                                        FUSED_CE_LOSS_OPTION_PARAMS) {
+  return vocab_parallel_linear_cross_entropy(input, linear_weight, target, linear_bias, weight,
+                                             FUSED_CE_LOSS_OPTION_ARGS, "", 0, 0, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, Pass::Forward);
+  const Plan plan = make_plan(vocab_shard(p, o), o, Pass::Forward);
   prepare_targets(p, o, plan, /*check=*/true, nullptr);
-  const RowStats s = forward_stats(p, o, plan);
+  const Problem shard = vocab_shard(p, o);
+  const RowStats s = forward_stats(shard, o, plan);
+  if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
   return {assemble_loss(p, o, plan, s, target.sizes()), s.lse.reshape(target.sizes())};
 }
 
@@ -47,11 +57,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, Pass::Backward);
+  const Plan plan = make_plan(vocab_shard(p, o), o, Pass::Backward);
   prepare_targets(p, o, plan, /*check=*/false, nullptr);  // the forward checked these targets
   GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse);
   c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
-  return shaped_grads(p, recomputed_grads(p, plan, c, output_mask), input, linear_weight);
+  return shaped_grads(p, recomputed_grads(vocab_shard(p, o), plan, c, output_mask), input, linear_weight);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_grad(
@@ -60,10 +70,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     std::array<bool, 3> output_mask, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, Pass::ForwardWithGrad);
+  const Plan plan = make_plan(vocab_shard(p, o), o, Pass::ForwardWithGrad);
   GradCoefficients unit;
   prepare_targets(p, o, plan, /*check=*/true, &unit);
-  const auto [s, g] = forward_with_grad(p, o, plan, unit, output_mask);
+  const auto [s, g] = forward_with_grad(vocab_shard(p, o), o, plan, unit, output_mask);
   const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight);
   return {assemble_loss(p, o, plan, s, target.sizes()), s.lse.reshape(target.sizes()), gx, gw, gb};
 }
@@ -74,7 +84,7 @@ plan_of(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tens
         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, parse_pass(pass));
+  const Plan plan = make_plan(vocab_shard(p, o), o, parse_pass(pass));
   return {std::string(pass),
           strategy_name(plan.strategy),
           plan.block_rows,

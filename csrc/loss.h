@@ -18,7 +18,12 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(const at::Tensor& input,
                                                         const at::Tensor& target,
                                                         const std::optional<at::Tensor>& linear_bias,
                                                         const std::optional<at::Tensor>& weight,
-                                                        FUSED_CE_OPTION_PARAMS);
+                                                        FUSED_CE_LOSS_OPTION_PARAMS);
+// fused_ce::vocab_parallel_linear_cross_entropy: the same for this rank's
+// vocabulary shard (vocab_parallel.h); without a process_group, the same.
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS);
 
 // fused_ce::linear_cross_entropy_backward: (grad_input, grad_linear_weight,
 // grad_linear_bias), recomputing the logits; empty tensors where output_mask is false.

@@ -28,6 +28,20 @@ c10::OperatorHandle op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+// The loss op of these options: linear_cross_entropy, or its vocabulary-parallel form.
+std::tuple<at::Tensor, at::Tensor> call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight,
+                                                const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                                const std::optional<at::Tensor>& weight, const LossOptions& o) {
+  static auto plain = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
+  static auto sharded =
+      op_handle("fused_ce::vocab_parallel_linear_cross_entropy").typed<decltype(vocab_parallel_linear_cross_entropy)>();
+  return o.apply([&](FUSED_CE_OPTION_PARAMS) {
+    if (o.vocab_parallel())
+      return sharded.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
+    return plain.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_LOSS_OPTION_ARGS);
+  });
+}
+
 // Autograd: loss and lse are differentiable in input, linear_weight and
 // linear_bias. For a scalar reduction the gradients are computed in the
 // forward, from the same logits (linear_cross_entropy_with_grad), and the
@@ -57,8 +71,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       // Not saved with save_for_backward: the backward consumes them (scales in place and hands them on).
       ctx->saved_data["grads"] = std::vector<at::Tensor>{gx, gw, gb};
     } else {
-      static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
-      std::tie(loss, lse) = op.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
+      std::tie(loss, lse) = call_loss_op(input, linear_weight, target, linear_bias, weight, o);
     }
     ctx->save_for_backward(
         {input, linear_weight, target, has_bias ? *linear_bias : at::Tensor(), weight ? *weight : at::Tensor(), lse});
@@ -79,7 +92,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     at::Tensor grad_loss = grads[0];
     const at::Tensor& grad_lse = grads[1];
     const auto result = [&](const at::Tensor& gx, const at::Tensor& gw, const at::Tensor& gb) -> variable_list {
-      variable_list out(12);  // one per op argument; only input, linear_weight and linear_bias get one
+      variable_list out(16);  // one per op argument; only input, linear_weight and linear_bias get one
       out[0] = mask[0] ? gx : at::Tensor();
       out[1] = mask[1] ? gw : at::Tensor();
       out[3] = mask[2] ? gb : at::Tensor();
@@ -121,7 +134,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_autograd(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const bool differentiable = input.requires_grad() || linear_weight.requires_grad() ||
@@ -136,17 +149,26 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
               "cannot have requires_grad=True (detach it)");
   if (!at::GradMode::is_enabled() || !differentiable) {  // no gradient work at all
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
-    return op.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
+    return call_loss_op(input, linear_weight, target, linear_bias, weight, LossOptions::parse(FUSED_CE_OPTION_ARGS));
   }
   auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
   return {out[0], out[1]};
 }
 
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(const at::Tensor& input,
+                                                                 const at::Tensor& linear_weight,
+                                                                 const at::Tensor& target,
+                                                                 const std::optional<at::Tensor>& linear_bias,
+                                                                 const std::optional<at::Tensor>& weight,
+                                                                 FUSED_CE_LOSS_OPTION_PARAMS) {
+  return vocab_parallel_linear_cross_entropy_autograd(input, linear_weight, target, linear_bias, weight,
+                                                      FUSED_CE_LOSS_OPTION_ARGS, "", 0, 0, 0);
+}
+
 // Autocast: like F.linear, the linear part runs in the autocast dtype (the
 // loss is float32 inside anyway).
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_autocast(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
@@ -154,8 +176,18 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
   std::optional<at::Tensor> bias;
   if (linear_bias && linear_bias->defined()) bias = cast(*linear_bias);
-  static auto op = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
-  return op.call(cast(input), cast(linear_weight), target, bias, weight, FUSED_CE_OPTION_ARGS);
+  return call_loss_op(cast(input), cast(linear_weight), target, bias, weight, LossOptions::parse(FUSED_CE_OPTION_ARGS));
+}
+
+template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(const at::Tensor& input,
+                                                                 const at::Tensor& linear_weight,
+                                                                 const at::Tensor& target,
+                                                                 const std::optional<at::Tensor>& linear_bias,
+                                                                 const std::optional<at::Tensor>& weight,
+                                                                 FUSED_CE_LOSS_OPTION_PARAMS) {
+  return vocab_parallel_linear_cross_entropy_autocast<device_type, autocast_key>(
+      input, linear_weight, target, linear_bias, weight, FUSED_CE_LOSS_OPTION_ARGS, "", 0, 0, 0);
 }
 
 // What the build embedded: architectures, and one cubin's bytes (for tests).
@@ -188,7 +220,11 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
 TORCH_LIBRARY(fused_ce, m) {
   m.def(
       "linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, "
-      "Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor)",
+      "Tensor? weight=None, " FUSED_CE_LOSS_OPTION_SCHEMA ") -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "vocab_parallel_linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, "
+      "Tensor? linear_bias=None, Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor linear_weight, "
@@ -214,6 +250,7 @@ TORCH_LIBRARY(fused_ce, m) {
 TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
   m.impl("_scale_grad_", &scale_grad_);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
+  m.impl("vocab_parallel_linear_cross_entropy", &vocab_parallel_linear_cross_entropy);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
 }
@@ -221,20 +258,26 @@ TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
 TORCH_LIBRARY_IMPL(fused_ce, CUDA, m) {
   m.impl("_scale_grad_", &scale_grad_);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
+  m.impl("vocab_parallel_linear_cross_entropy", &vocab_parallel_linear_cross_entropy);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
+  m.impl("vocab_parallel_linear_cross_entropy", &vocab_parallel_linear_cross_entropy_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCUDA, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+  m.impl("vocab_parallel_linear_cross_entropy",
+         &vocab_parallel_linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCPU, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+  m.impl("vocab_parallel_linear_cross_entropy",
+         &vocab_parallel_linear_cross_entropy_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
 }
 
 }  // namespace fused_ce

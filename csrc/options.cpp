@@ -36,7 +36,23 @@ LossOptions LossOptions::parse(FUSED_CE_OPTION_PARAMS) {
   TORCH_CHECK_VALUE(!workspace_bytes || *workspace_bytes > 0,
                     "linear_cross_entropy: workspace_bytes must be positive (or None), got ",
                     num(workspace_bytes.value_or(0)));
-  return {parse_reduction(reduction), ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes};
+  const bool sharded = !process_group.empty();
+  TORCH_CHECK_VALUE(sharded || (vocab_start == 0 && vocab_size == 0 && max_shard_rows == 0),
+                    "linear_cross_entropy: vocab_start, vocab_size and max_shard_rows describe a vocabulary shard and "
+                    "need a process_group");
+  LossOptions o{
+      parse_reduction(reduction), ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes};
+  if (sharded) {
+    TORCH_CHECK_VALUE(vocab_start >= 0 && vocab_size > 0 && max_shard_rows > 0,
+                      "linear_cross_entropy: a vocabulary shard needs vocab_start >= 0, vocab_size > 0 and "
+                      "max_shard_rows > 0, got ",
+                      num(vocab_start), ", ", num(vocab_size), ", ", num(max_shard_rows));
+    o.process_group = std::string(process_group);
+    o.vocab_start = vocab_start;
+    o.vocab_size = vocab_size;
+    o.max_shard_rows = max_shard_rows;
+  }
+  return o;
 }
 
 const char* LossOptions::reduction_name() const {
@@ -54,9 +70,10 @@ c10::IValue LossOptions::to_ivalue() const {
 
 LossOptions LossOptions::from_ivalue(const c10::IValue& value) {
   const auto& v = value.toTupleRef().elements();
-  TORCH_CHECK(v.size() == 7, "fused_ce: saved loss options have ", num(v.size()), " entries, expected 7");
+  TORCH_CHECK(v.size() == 11, "fused_ce: saved loss options have ", num(v.size()), " entries, expected 11");
   return parse(v[0].toStringRef(), v[1].toInt(), v[2].toDouble(), v[3].toDouble(), v[4].toOptional<double>(),
-               v[5].toDouble(), v[6].toOptional<int64_t>());
+               v[5].toDouble(), v[6].toOptional<int64_t>(), v[7].toStringRef(), v[8].toInt(), v[9].toInt(),
+               v[10].toInt());
 }
 
 }  // namespace fused_ce

@@ -15,6 +15,9 @@ namespace {
 // whole workspace stays under 0.5 GiB.
 constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
 constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
+// Row blocks whose dW sums may be added in the input dtype: at D = 4096, V = 128256
+// in bf16, 8 such additions leave dW's error 1.35x torch's single rounding, 16 leave 2x.
+constexpr int64_t kInputDtypeAccumulations = 8;
 
 int64_t cdiv(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -147,9 +150,13 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
   const int64_t rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
   const int64_t cols = vocab_tile_cols(p, arch, plan.budget_bytes, rows);
   plan.rank_one_smoothing = rank_one;
-  // dX and dW accumulate in the input dtype, as cuBLAS's addmm does, to stay
-  // within the workspace.
-  plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
+  // Each row's dX is written once. dW accumulates across row blocks: in the
+  // input dtype (each block's sum rounded once more) up to
+  // kInputDtypeAccumulations blocks, in float32 beyond (a V x D float32
+  // accumulator, 2 GiB at V = 128256, D = 4096, held while the gradient is
+  // computed, outside workspace_bytes) so that its error stays within 1.5x of
+  // one rounding at any N (benchmarks/NOTES.md, step 18).
+  plan.grad_input_dtype = plan.logits_dtype;
   if (cols > 0) {
     plan.strategy = Strategy::VocabTiles;
     plan.stats_block_rows = rows;
@@ -163,6 +170,13 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
     plan.tile_cols = p.V;
     plan.workspace_bytes = rows * row_bytes;
   }
+  // An explicit workspace_bytes smaller than that accumulator is a lean
+  // request: it keeps the input dtype, trading dW's accuracy for memory.
+  const int64_t accumulator_bytes = p.V * p.D * int64_t{4};
+  const bool lean = o.workspace_bytes.has_value() && *o.workspace_bytes < accumulator_bytes;
+  plan.grad_weight_dtype = cdiv(p.N, plan.block_rows) > kInputDtypeAccumulations && !lean
+                               ? at::promote_types(plan.logits_dtype, at::kFloat)
+                               : plan.logits_dtype;
 }
 
 }  // namespace
@@ -170,6 +184,13 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass) {
   TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar(),
                     "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
+  if (o.vocab_parallel() && p.V != o.max_shard_rows) {
+    // Every rank plans for the largest shard, so that all take the same row blocks (and so the same
+    // collectives: vocab_parallel.h).
+    Problem largest = p;
+    largest.V = o.max_shard_rows;
+    return make_plan(largest, o, pass);
+  }
   Plan plan;
   plan.pass = pass;
   plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);

@@ -26,6 +26,17 @@ at::Tensor slice(const at::Tensor& t, int64_t begin, int64_t end) {
 
 }  // namespace
 
+Problem vocab_shard(const Problem& p, const LossOptions& o) {
+  if (!o.vocab_parallel()) return p;
+  Problem s = p;
+  const int64_t rows = p.w.size(0);
+  s.V = rows;
+  s.class_weight = slice(p.class_weight, o.vocab_start, o.vocab_start + rows);
+  const at::Tensor local = p.target - o.vocab_start;
+  s.target = at::where(local.ge(0).logical_and_(local.lt(rows)), local, -1).contiguous();
+  return s;
+}
+
 Problem Problem::cols(int64_t begin, int64_t end) const {
   Problem p = *this;
   p.w = slice(w, begin, end);
@@ -59,10 +70,13 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
               "[C, d1, ..., D] are not supported), got shape ",
               shape(linear_weight.sizes()));
   const int64_t D = input.size(-1);
-  const int64_t V = linear_weight.size(0);
+  const int64_t rows = linear_weight.size(0);  // classes of this shard (all of them unless vocabulary parallel)
+  const int64_t V = o.vocab_parallel() ? o.vocab_size : rows;
   TORCH_CHECK(linear_weight.size(1) == D, "linear_cross_entropy: linear_weight has ", num(linear_weight.size(1)),
               " features but input has ", num(D));
-  TORCH_CHECK(V > 0, "linear_cross_entropy: linear_weight must have at least one class (row)");
+  TORCH_CHECK(rows > 0, "linear_cross_entropy: linear_weight must have at least one class (row)");
+  TORCH_CHECK_VALUE(o.vocab_start + rows <= V, "linear_cross_entropy: the vocabulary shard [", num(o.vocab_start), ", ",
+                    num(o.vocab_start + rows), ") of linear_weight does not fit in vocab_size ", num(V));
   const auto dtype = input.scalar_type();
   TORCH_CHECK(at::isFloatingType(dtype) && dtype != at::kFloat8_e4m3fn,
               "linear_cross_entropy: input must be a floating-point tensor, got ", name(dtype));
@@ -93,8 +107,8 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   p.softcap = o.softcap;
   if (linear_bias && linear_bias->defined()) {
     const at::Tensor& b = *linear_bias;
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == V, "linear_cross_entropy: linear_bias must have shape [", num(V),
-                "], got ", shape(b.sizes()));
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == rows, "linear_cross_entropy: linear_bias must have shape [", num(rows),
+                "] (one per row of linear_weight), got ", shape(b.sizes()));
     TORCH_CHECK(b.scalar_type() == dtype, "linear_cross_entropy: linear_bias dtype ", name(b.scalar_type()),
                 " does not match input dtype ", name(dtype));
     TORCH_CHECK(b.device() == input.device(), "linear_cross_entropy: linear_bias is on ", b.device().str(),

@@ -26,6 +26,8 @@ struct Problem {
   at::Tensor totals;         // [3] float32: sum of target_weight, rows counted, sum of the class weights
   double logit_scale = 1.0;
   std::optional<double> softcap;
+  // V: the classes of the loss (targets, class weights, label smoothing). The
+  // executors see a vocab_shard(), whose V is linear_weight's rows.
   int64_t N = 0, V = 0, D = 0;
   int64_t col_offset = 0;  // first class of w (a vocabulary slice); targets stay absolute class indices
 
@@ -60,6 +62,12 @@ at::ScalarType loss_dtype(const Problem& p);
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      const LossOptions& o);
+
+// The problem of this rank's classes [o.vocab_start, o.vocab_start + w rows):
+// V = w's rows, the class weights of those classes, targets relative to the
+// first one and -1 where another shard holds them (or the row is ignored).
+// Without vocabulary parallelism, p itself.
+Problem vocab_shard(const Problem& p, const LossOptions& o);
 
 // Marks ignored rows (-1) and, where the plan runs the per-row bookkeeping on
 // the device, sets target_weight and totals in one launch (cuda_prepare_rows).

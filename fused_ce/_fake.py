@@ -28,6 +28,9 @@ def _linear_cross_entropy_fake(
     return loss, lse
 
 
+torch.library.register_fake("fused_ce::vocab_parallel_linear_cross_entropy")(_linear_cross_entropy_fake)
+
+
 def _grads(input, linear_weight, linear_bias, output_mask):
     def grad(t, needed):
         return t.new_empty(t.shape) if needed and t is not None else input.new_empty((0,))

@@ -7,8 +7,9 @@ from torch import Tensor
 from typing_extensions import TypedDict, Unpack
 
 
-def _op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes):
-    """The op's option arguments, in schema order (csrc/options.h)."""
+def _op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, shard=None):
+    """The op's option arguments, in schema order (csrc/options.h); `shard`: (group name, vocab_start, sizes)."""
+    group, vocab_start, sizes = shard if shard is not None else ("", 0, [0])
     return (
         reduction,
         -100 if ignore_index is None else ignore_index,
@@ -17,7 +18,22 @@ def _op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit
         None if softcap is None else float(softcap),
         float(logit_scale),
         workspace_bytes,
+        group,
+        vocab_start,
+        sum(sizes),
+        max(sizes),
     )
+
+
+def _vocab_parallel(input, linear_weight, target, linear_bias, weight, process_group, vocab_start):
+    """The arguments as the op takes them, and the shard (None unless vocabulary parallel)."""
+    from . import distributed  # only for distributed calls
+
+    if process_group is None and not distributed.uses_dtensors(input, linear_weight, target, linear_bias, weight):
+        if vocab_start is not None:
+            raise ValueError("linear_cross_entropy: vocab_start needs a process_group (or a DTensor linear_weight)")
+        return input, linear_weight, target, linear_bias, weight, None
+    return distributed.resolve(input, linear_weight, target, linear_bias, weight, process_group, vocab_start)
 
 
 class LossKeywords(TypedDict, total=False):
@@ -32,6 +48,8 @@ class LossKeywords(TypedDict, total=False):
     softcap: float | None
     logit_scale: float
     workspace_bytes: int | None
+    process_group: object
+    vocab_start: int | None
     options: object
 
 
@@ -67,6 +85,8 @@ def linear_cross_entropy(
     logit_scale: float = 1.0,
     return_lse: bool = False,
     workspace_bytes: int | None = None,
+    process_group=None,
+    vocab_start: int | None = None,
     options=None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     r"""Cross entropy of ``input @ linear_weight.T (+ linear_bias)`` against ``target``, without the logits.
@@ -96,19 +116,32 @@ def linear_cross_entropy(
         workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 32 MiB on CPU);
             larger blocks run closer to the GEMM rate, smaller ones save memory. :func:`plan` shows what a
             budget buys.
+        process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor parallel):
+            ``linear_weight`` and ``linear_bias`` are this rank's contiguous shard of the classes (shards may
+            differ in size), ``input`` is the same on every rank, targets and class weights are global. Every
+            rank gets the same loss (and lse), the full input gradient and its own shards' gradients. A
+            DTensor ``linear_weight`` placed ``Shard(0)`` with a DTensor ``input`` needs no argument.
+            See :mod:`fused_ce.distributed`.
+        vocab_start: this rank's first class, where the shards are not in rank order.
         options: accepted for compatibility with torch's signature and ignored: this loss is always chunked.
 
     Returns:
         The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with ``return_lse=True``.
     """
-    loss, lse = torch.ops.fused_ce.linear_cross_entropy(
-        input,
-        linear_weight,
-        target,
-        linear_bias,
-        weight,
-        *_op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes),
+    input, linear_weight, target, linear_bias, weight, shard = _vocab_parallel(
+        input, linear_weight, target, linear_bias, weight, process_group, vocab_start
     )
+    options = _op_options(
+        reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, shard
+    )
+    if shard is None:  # the op whose schema AOTInductor packages know (csrc/options.h)
+        loss, lse = torch.ops.fused_ce.linear_cross_entropy(
+            input, linear_weight, target, linear_bias, weight, *options[:7]
+        )
+    else:
+        loss, lse = torch.ops.fused_ce.vocab_parallel_linear_cross_entropy(
+            input, linear_weight, target, linear_bias, weight, *options
+        )
     if return_lse:
         return loss, lse
     return loss
@@ -146,8 +179,22 @@ def plan(
     keywords.pop("options", None)
     if keywords.get("ignore_index", -100) is None:
         keywords["ignore_index"] = -100
+    bias, weight = keywords.pop("linear_bias", None), keywords.pop("weight", None)
+    input, linear_weight, target, bias, weight, shard = _vocab_parallel(
+        input,
+        linear_weight,
+        target,
+        bias,
+        weight,
+        keywords.pop("process_group", None),
+        keywords.pop("vocab_start", None),
+    )
+    keywords.update(linear_bias=bias, weight=weight)
+    if shard is not None:
+        keywords.update(
+            process_group=shard[0], vocab_start=shard[1], vocab_size=sum(shard[2]), max_shard_rows=max(shard[2])
+        )
     if pass_ is None:
-        bias = keywords.get("linear_bias")
         differentiable = torch.is_grad_enabled() and (
             input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
         )

@@ -24,8 +24,10 @@ class LinearCrossEntropyLoss(nn.Module):
     ``out_features``, ``reduction``, ``weight`` as a buffer, ``ignore_index``, ``label_smoothing``,
     ``options``, accepted and ignored: this loss is always chunked), validated at construction as torch
     does, plus fused_ce's own keywords (``z_loss``, ``softcap``, ``logit_scale``, ``workspace_bytes``,
-    ``return_lse``). ``forward(input, target)`` returns the loss of ``.linear(input)`` against ``target``
-    without materialising the logits. K-dimensional losses (``out_features != ()``) are not supported.
+    ``return_lse``, ``process_group`` and ``vocab_start``: then ``num_classes`` is this rank's vocabulary
+    shard, see :mod:`fused_ce.distributed`). ``forward(input, target)`` returns the loss of
+    ``.linear(input)`` against ``target`` without materialising the logits. K-dimensional losses
+    (``out_features != ()``) are not supported.
     """
 
     def __init__(
@@ -47,7 +49,8 @@ class LinearCrossEntropyLoss(nn.Module):
                 f"LinearCrossEntropyLoss: K-dimensional losses (out_features={tuple(out_features)}) are not "
                 "supported by fused_ce; use torch.nn.LinearCrossEntropyLoss"
             )
-        if weight is not None and tuple(weight.shape) != (num_classes,):
+        # with a process_group, num_classes is this rank's shard and the class weights are global
+        if weight is not None and tuple(weight.shape) != (num_classes,) and keywords.get("process_group") is None:
             raise RuntimeError(f"expected weight shape to be {(num_classes,)}, got {tuple(weight.shape)}")
         label_smoothing = keywords.get("label_smoothing", 0.0)
         if label_smoothing < 0 or label_smoothing > 1.0:

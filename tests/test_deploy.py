@@ -34,14 +34,18 @@ class Scorer(torch.nn.Module):
         )
 
 
+OLD_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
 @pytest.mark.parametrize(
     "device",
     [
         d
-        if d == "cpu"
+        if d == "cpu" and not OLD_TORCH
         else pytest.param(
             d,
-            marks=pytest.mark.xfail(reason="issue 12: loading the package on CUDA crashes (seen: exit -11)"),
+            # seen on the H200 with torch 2.11: exit -11 on CPU and CUDA; with torch 2.13 on CPU it works
+            marks=pytest.mark.xfail(reason="issue 12: loading the package crashes (exit -11) on CUDA and torch 2.11"),
         )
         for d in DEVICES
     ],

@@ -130,3 +130,15 @@ def test_rank_one_smoothing_needs_class_weights_and_no_softcap(softcap):
     plan = fused_ce.plan(x, w, t, weight=cw, label_smoothing=0.1, softcap=softcap)
     assert plan.rank_one_smoothing == (softcap is None)
     assert not fused_ce.plan(x, w, t, label_smoothing=0.1).rank_one_smoothing
+
+
+@cuda
+def test_weight_gradient_accumulates_in_float32_beyond_eight_blocks():
+    # 8 row blocks of 2048 at A add dW in bf16; 16 (N = 32768) accumulate in float32 (plan.cpp), unless an
+    # explicit workspace smaller than that V x D float32 buffer asks for a lean call.
+    N, D, V = A
+    assert fused_ce.plan(*expanded(N, D, V, torch.bfloat16, "cuda", grad=True)).grad_weight_dtype == torch.bfloat16
+    long = expanded(2 * N, D, V, torch.bfloat16, "cuda", grad=True)
+    assert fused_ce.plan(*long).grad_weight_dtype == torch.float32
+    lean = fused_ce.plan(*long, workspace_bytes=256 * MiB)
+    assert lean.strategy == "stored_logits" and lean.grad_weight_dtype == torch.bfloat16
