@@ -1,4 +1,7 @@
-"""Builds fused_ce._C: the C++ op plus the Triton kernels compiled ahead of time.
+"""Builds fused_ce/_C*.so: the C++ op library plus the Triton kernels compiled ahead of time.
+
+The library needs libtorch only, not Python (no module init, no libtorch_python): ``import fused_ce``
+loads it with ``torch.ops.load_library``, and a C++ program can load it the same way (examples/cpp).
 
 The kernels are compiled to cubins by fused_ce/_build/aot.py for the
 architectures in FUSED_CE_CUDA_ARCHS (or TORCH_CUDA_ARCH_LIST; default
@@ -35,7 +38,7 @@ class BuildWithKernels(BuildExtension):
     def build_extensions(self):
         # A fixed place (not build_temp, which editable installs delete) so rebuilds reuse it.
         out_dir = ROOT / "build" / "aot"
-        # Run as a script: the fused_ce package itself cannot be imported before _C exists.
+        # Run as a script: the fused_ce package itself cannot be imported before its library exists.
         subprocess.check_call([sys.executable, str(ROOT / "fused_ce" / "_build" / "aot.py"), str(out_dir)])
         for ext in self.extensions:
             ext.sources.append(str(out_dir / "kernel_table.cpp"))
@@ -54,6 +57,8 @@ setup(
             extra_compile_args=["-O2", "-g0"],
             extra_link_args=["-Wl,--strip-debug"],
             libraries=["dl"],
+            # no libtorch_python: the library registers ops only and loads outside Python too
+            py_limited_api=True,
         )
     ],
     install_requires=[f"torch=={TORCH_VERSION}"],

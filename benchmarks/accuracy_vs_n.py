@@ -87,7 +87,10 @@ def main():
         rows.append(row)
         del x, w, t, ref, eager, ours
         torch.cuda.empty_cache()
-    header = "| N | dW accumulates in | fused_ce peak beyond inputs, gradients included (GiB) | loss: fused_ce / torch | dX | dW |"
+    header = (
+        "| N | dW accumulates in | fused_ce peak beyond inputs, gradients included (GiB) "
+        "| loss: fused_ce / torch | dX | dW |"
+    )
     lines = [header, "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [

@@ -17,16 +17,33 @@ if torch.__version__.split("+")[0] != _BUILT_WITH:
         "fused_ce against this torch (pip install --no-build-isolation --force-reinstall --no-deps ...)."
     )
 
+
+def library_path() -> str:
+    """The op library (setup.py): a plain shared library, loadable from C++ without Python too."""
+    from pathlib import Path
+
+    found = sorted(Path(__file__).parent.glob("_C*.so"))
+    if not found:
+        raise ImportError(f"fused_ce: the compiled library _C*.so is missing from {Path(__file__).parent}; rebuild")
+    return str(found[0])
+
+
 # the library only after the version check: loading it with another torch fails on undefined symbols
-from . import (
-    _C,  # noqa: E402, F401  (registers the ops)
-    _fake,  # noqa: E402, F401  (fake kernels for FakeTensor / torch.compile)
-)
+torch.ops.load_library(library_path())  # registers the ops
+from . import _fake  # noqa: E402, F401  (fake kernels for FakeTensor / torch.compile)
 from ._version import __version__  # noqa: E402
 from .functional import Plan, linear_cross_entropy, plan  # noqa: E402
 from .modules import LinearCrossEntropyLoss  # noqa: E402
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "plan", "Plan", "cuda_archs", "__version__"]
+__all__ = [
+    "linear_cross_entropy",
+    "LinearCrossEntropyLoss",
+    "plan",
+    "Plan",
+    "cuda_archs",
+    "library_path",
+    "__version__",
+]
 
 
 def cuda_archs() -> list[int]:
