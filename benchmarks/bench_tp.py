@@ -6,7 +6,8 @@ Workload as benchmarks/bench.py (bf16, 10% ignored, mean loss, forward + backwar
 by vocabulary over the ranks. Per rank: time (median, CUDA events, all ranks in step), workspace
 (peak beyond inputs and gradients). Methods:
 - fused_ce, 1 GPU: the whole weight on each GPU (what TP is measured against);
-- fused_ce TP: `process_group=`, this rank's shard;
+- fused_ce TP: `process_group=`, this rank's shard (one pass, 6NDV/P flops), and the two-pass plan a
+  per-row loss takes (the loss, then a backward that recomputes the logits: 8NDV/P);
 - torch TP: lm_head `ColwiseParallel(output_layouts=Shard(-1))` + `loss_parallel()` + F.cross_entropy
   on the logits shard, eager and torch.compile'd.
 Communication is timed apart: the collectives fused_ce TP makes (two all-reduces of the row stats
@@ -73,6 +74,18 @@ def main():
     grads = lambda weight: (N * D + weight.numel()) * 2  # noqa: E731
     results["fused_ce, 1 GPU"] = (timed(one, args.warmup, args.repeat), workspace_gib(one, grads(w)))
     results[f"fused_ce TP={world}"] = (timed(tp, args.warmup, args.repeat), workspace_gib(tp, grads(shard)))
+    # the two-pass plan: the loss first (row stats combined once), the gradients in a backward that recomputes
+    # the logits (8NDV/P flops instead of 6NDV/P): what a per-row loss takes
+    counted = (t != -100).sum()
+
+    def two_pass():
+        xg, wg = x.detach().requires_grad_(), shard.detach().requires_grad_()
+        (fused_ce.linear_cross_entropy(xg, wg, t, process_group=group, reduction="none").sum() / counted).backward()
+
+    results[f"fused_ce TP={world}, two-pass"] = (
+        timed(two_pass, args.warmup, args.repeat),
+        workspace_gib(two_pass, grads(shard)),
+    )
 
     # the collectives of fused_ce TP alone: per row block two all-reduces of [rows] / [5, rows] float32, and dX
     plan = fused_ce.plan(x.detach().requires_grad_(), shard.detach().requires_grad_(), t, process_group=group)

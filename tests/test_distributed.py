@@ -99,6 +99,14 @@ def check_every_keyword(rank, world, sizes, order):
     else:
         start = sum(sizes[r] for r in order[: order.index(rank)])
         vocab_start = start
+    # every rank plans for the largest shard: the same row blocks, so the same collectives
+    plan = fused_ce.plan(
+        x.requires_grad_(), w[start : start + sizes[rank]], t, process_group=dist.group.WORLD, vocab_start=vocab_start
+    )
+    x = x.detach()
+    plans = [None] * world
+    dist.all_gather_object(plans, (plan.strategy, plan.block_rows, plan.tile_cols))
+    assert all(p == plans[0] for p in plans) and plan.tile_cols == max(sizes), plans
     for kw in KEYWORDS:
         t = torch.where(t < 0, kw.get("ignore_index", -100), t)
         ref = run_case(x, w, t, b, cw, (0, V), None, kw)
@@ -160,6 +168,17 @@ def check_dtensor(rank, world, sequence_parallel):
     expected = (Shard(1),) if sequence_parallel else (Partial(),)
     assert tuple(xd.grad.placements) == expected, xd.grad.placements
     assert rel(xd.grad.full_tensor(), ref[1]) < TOL
+    if sequence_parallel:  # the same step compiled (fullgraph): DTensors need no eager call first
+
+        def step(xd, wd):
+            return fused_ce.linear_cross_entropy(xd, wd, t3, weight=cw, label_smoothing=0.1)
+
+        wc = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()
+        xc = distribute_tensor(x3.clone(), mesh, [Shard(1)]).requires_grad_()
+        compiled = torch.compile(step, fullgraph=True)(xc, wc)
+        compiled.backward()
+        assert rel(compiled, loss) < TOL and rel(wc.grad.full_tensor(), wd.grad.full_tensor()) < TOL
+        assert rel(xc.grad.full_tensor(), xd.grad.full_tensor()) < TOL
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -255,7 +274,7 @@ def check_compiled_step(rank, world):
     eager = [u.detach().clone().requires_grad_() for u in (x, shard)]
     step(*eager).backward()  # also gathers the shard sizes, which the compiled step reuses
     compiled = [u.detach().clone().requires_grad_() for u in (x, shard)]
-    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled)
+    loss = torch.compile(step, fullgraph=True)(*compiled)
     loss.backward()
     assert rel(loss, step(*eager)) < TOL
     for a, e in zip(compiled, eager):
