@@ -52,8 +52,6 @@ struct Plan {
   bool rows_on_device = false;  // per-row bookkeeping in kernels (prepare_rows, assemble_loss)
   int64_t budget_bytes = 0;     // workspace_bytes, or the device's default
   int64_t workspace_bytes = 0;  // bytes of logit blocks (and their partials) held at once
-
-  bool kernels() const { return strategy != Strategy::AtenChunks; }
 };
 
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass);
