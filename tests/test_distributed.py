@@ -43,6 +43,9 @@ def _entry(rank, fn, world, port, backend, args):
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # no rank tears the group down while another still uses it (gloo then aborts the other process:
+        # "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
