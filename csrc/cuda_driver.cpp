@@ -44,6 +44,7 @@ struct Driver {
   CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                              void**, void**);
+  CUresult (*cuStreamIsCapturing)(CUstream, int*);
 };
 
 // Every driver entry point of Driver, bound by name when libcuda is loaded.
@@ -51,7 +52,7 @@ struct Driver {
 #define FCE_DRIVER_SYMBOLS(X)                                                                       \
   X(cuInit) X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGet) X(cuDeviceGetAttribute)            \
   X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuModuleLoadData)              \
-  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel)
+  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuStreamIsCapturing)
 // clang-format on
 
 template <typename F>
@@ -183,6 +184,18 @@ const KernelVariant* find_variant(const char* kernel, const char* dtype, const c
     if (compatible && (best == nullptr || v.arch > best->arch)) best = &v;
   }
   return best;
+}
+
+bool stream_capturing(const at::Device& device) {
+  c10::DeviceGuard guard(device);
+  make_context_current(device.index());
+  c10::impl::VirtualGuardImpl impl(device.type());
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+  const CUresult result =
+      driver().cuStreamIsCapturing(static_cast<CUstream>(impl.getStream(device).native_handle()), &status);
+  // An error here (the legacy stream queried while another stream captures globally) means a capture is
+  // under way too: no host read either way.
+  return result != 0 || status != 0;
 }
 
 void launch(const KernelVariant& v, const at::Device& device, int64_t grid, const KernelArgs& args) {

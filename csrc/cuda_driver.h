@@ -54,6 +54,10 @@ int device_sm_count(int device_index);
 // newer than the device. nullptr when none fits.
 const KernelVariant* find_variant(const char* kernel, const char* dtype, const char* layout, int arch);
 
+// Whether torch's current stream of `device` is being captured into a CUDA graph
+// (no host synchronisation allowed then).
+bool stream_capturing(const at::Device& device);
+
 // Launch `variant` with a 1-D grid on torch's current stream of `device`.
 void launch(const KernelVariant& variant, const at::Device& device, int64_t grid, const KernelArgs& args);
 

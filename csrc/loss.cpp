@@ -1,6 +1,8 @@
 // The ops: options, problem and plan, then the plan's executor and the loss.
 #include "loss.h"
 
+#include <limits>
+
 #include "executors.h"
 #include "loss_terms.h"
 #include "plan.h"
@@ -20,6 +22,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> shaped_grads(const Problem& p, co
   return {g.input.defined() ? g.input.to(input.scalar_type()).reshape(input.sizes()) : no_grad(p),
           g.weight.defined() ? g.weight.to(linear_weight.scalar_type()) : no_grad(p),
           g.bias.defined() ? g.bias.to(p.bias.scalar_type()) : no_grad(p)};
+}
+
+// A loss computed under CUDA graph capture with bad class indices (Problem::unreported_bad_targets) is NaN.
+at::Tensor flag_bad_targets(const Problem& p, const at::Tensor& loss) {
+  if (!p.unreported_bad_targets.defined()) return loss;
+  const at::Tensor nan = at::full({}, std::numeric_limits<double>::quiet_NaN(), loss.options());
+  return at::where(p.unreported_bad_targets.gt(0).reshape({}), nan, loss);
 }
 
 std::string dtype_name(at::ScalarType t) {
@@ -47,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy(
   const Problem shard = vocab_shard(p, o);
   const RowStats s = forward_stats(shard, o, plan);
   if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
-  return {assemble_loss(p, o, plan, s, target.sizes()), s.lse.reshape(target.sizes())};
+  return {flag_bad_targets(p, assemble_loss(p, o, plan, s, target.sizes())), s.lse.reshape(target.sizes())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
@@ -75,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   prepare_targets(p, o, plan, /*check=*/true, &unit);
   const auto [s, g] = forward_with_grad(vocab_shard(p, o), o, plan, unit, output_mask);
   const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight);
-  return {assemble_loss(p, o, plan, s, target.sizes()), s.lse.reshape(target.sizes()), gx, gw, gb};
+  return {flag_bad_targets(p, assemble_loss(p, o, plan, s, target.sizes())), s.lse.reshape(target.sizes()), gx, gw, gb};
 }
 
 std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, std::string, std::string, bool, bool,

@@ -1,7 +1,12 @@
 #include "problem.h"
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <map>
+#include <mutex>
 
+#include "cuda_driver.h"
 #include "cuda_stages.h"
 #include "format.h"
 #include "loss_terms.h"
@@ -129,6 +134,46 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   return p;
 }
 
+namespace {
+
+// Bad class indices counted under CUDA graph capture, per device, for the next call outside capture to report.
+// Allocated under capture, so each replay counts afresh: the tally is the latest replay's.
+std::mutex captured_bad_mutex;
+std::map<int, at::Tensor> captured_bad;
+std::atomic<bool> captured_any{false};
+
+// The class-index check of the device path. prepare_rows already made bad indices ignored rows (nothing is
+// read out of bounds). Outside a CUDA graph capture: one host read of the count, an IndexError now (and,
+// once anything was captured, one more read, of the captured calls' tally). Under capture, where a host read
+// is not allowed: the count goes to the device's tally, for the next call outside capture to report, and is
+// returned, to turn this call's loss NaN.
+at::Tensor check_on_device(const Problem& p, const at::Tensor& bad, const std::function<void()>& error) {
+  const int device = p.x.device().index();
+  if (stream_capturing(p.x.device())) {
+    std::lock_guard<std::mutex> lock(captured_bad_mutex);
+    at::Tensor& tally = captured_bad[device];
+    if (!tally.defined()) tally = at::zeros_like(bad);
+    tally.add_(bad);
+    captured_any = true;
+    return bad;
+  }
+  if (captured_any) {
+    std::lock_guard<std::mutex> lock(captured_bad_mutex);
+    auto it = captured_bad.find(device);
+    if (it != captured_bad.end() && it->second.item<int>() != 0) {
+      it->second.zero_();
+      TORCH_CHECK_INDEX(false, "linear_cross_entropy: a call replayed from a CUDA graph saw class indices outside [0, ",
+                        num(p.V),
+                        ") that are not ignore_index (its loss was NaN, those rows counted as ignored); "
+                        "reported by the first call outside capture since");
+    }
+  }
+  if (bad.item<int>() != 0) error();
+  return at::Tensor();
+}
+
+}  // namespace
+
 void prepare_targets(Problem& p, const LossOptions& o, const Plan& plan, bool check, GradCoefficients* unit) {
   const at::Tensor t = p.target;
   const auto bad_targets_error = [&] {
@@ -137,7 +182,7 @@ void prepare_targets(Problem& p, const LossOptions& o, const Plan& plan, bool ch
   };
   if (plan.rows_on_device) {
     const at::Tensor bad = cuda_prepare_rows(p, t, o, unit);
-    if (check && bad.item<int>() != 0) bad_targets_error();
+    if (check) p.unreported_bad_targets = check_on_device(p, bad, bad_targets_error);
     return;
   }
   const at::Tensor ignored = t.eq(o.ignore_index);

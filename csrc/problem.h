@@ -24,6 +24,9 @@ struct Problem {
   // Set where the rows were prepared on the device (cuda_prepare_rows), else undefined:
   at::Tensor target_weight;  // [N] float32: the target's class weight (1 without), 0 where ignored
   at::Tensor totals;         // [3] float32: sum of target_weight, rows counted, sum of the class weights
+  // Under CUDA graph capture: the count of bad class indices ([1] int32 on the device), not read by the host;
+  // the loss is made NaN where it is not 0 (loss.cpp). Undefined otherwise.
+  at::Tensor unreported_bad_targets;
   double logit_scale = 1.0;
   std::optional<double> softcap;
   // V: the classes of the loss (targets, class weights, label smoothing). The
@@ -72,8 +75,8 @@ Problem vocab_shard(const Problem& p, const LossOptions& o);
 // Marks ignored rows (-1) and, where the plan runs the per-row bookkeeping on
 // the device, sets target_weight and totals in one launch (cuda_prepare_rows).
 // With `check`, a class index outside [0, V) that is not ignore_index is an
-// error (one host sync). With `unit`, also the gradient coefficients of the
-// scalar loss for an upstream gradient of 1.
+// error: one host read; under CUDA graph capture none (check_on_device in problem.cpp). With `unit`, also the gradient
+// coefficients of the scalar loss for an upstream gradient of 1.
 void prepare_targets(Problem& p, const LossOptions& o, const Plan& plan, bool check, GradCoefficients* unit);
 
 }  // namespace fused_ce

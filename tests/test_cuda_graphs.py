@@ -1,0 +1,100 @@
+"""CUDA graphs: a training step with fused_ce captured and replayed gives eager's results; a bad class index
+under capture is never read out of bounds, turns the replayed loss NaN and is reported by the next call
+outside capture (csrc/problem.cpp, check_on_device); torch.compile(mode="reduce-overhead") matches eager.
+"""
+
+import pytest
+import torch
+
+import fused_ce
+from reference import make_problem, rel_err
+
+pytestmark = pytest.mark.cuda
+
+N, D, V = 1024, 256, 4096
+
+
+def eager_step(x, w, t):
+    xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = fused_ce.linear_cross_entropy(xg, wg, t, label_smoothing=0.1)
+    loss.backward()
+    return loss.detach(), xg.grad, wg.grad
+
+
+def captured_step():
+    """A graph of fwd+bwd on static inputs (the whole-network capture pattern of torch's docs)."""
+    x, w, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda")
+    xs, ws, ts = x.clone().requires_grad_(), w.clone().requires_grad_(), t.clone()
+
+    def step():
+        xs.grad = ws.grad = None
+        loss = fused_ce.linear_cross_entropy(xs, ws, ts, label_smoothing=0.1)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: module loads, allocations
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    xs.grad = ws.grad = None
+    with torch.cuda.graph(graph):
+        static_loss = fused_ce.linear_cross_entropy(xs, ws, ts, label_smoothing=0.1)
+        static_loss.backward()
+    return graph, static_loss, xs, ws, ts
+
+
+def test_capture_and_replay_match_eager():
+    graph, loss, xs, ws, ts = captured_step()
+    for seed in range(3):  # fresh inputs copied into the static ones, then a replay
+        x, w, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda", seed=seed)
+        with torch.no_grad():
+            xs.copy_(x)
+            ws.copy_(w)
+        ts.copy_(t)
+        graph.replay()
+        expected = eager_step(x, w, t)
+        for got, want in zip((loss, xs.grad, ws.grad), expected):
+            assert rel_err(got.float(), want.float()) < 1e-6, (seed, rel_err(got.float(), want.float()))
+
+
+def test_bad_index_under_replay_is_nan_then_an_error():
+    graph, loss, xs, ws, ts = captured_step()
+    bad = ts.clone()
+    bad[5] = V + 3  # out of range, not ignore_index
+    bad[6] = -7
+    ts.copy_(bad)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(loss).item()
+    assert torch.isfinite(ws.grad.float()).all()  # the bad rows count as ignored: nothing read out of bounds
+    x, w, t, _ = make_problem(64, D, V, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(IndexError, match="replayed from a CUDA graph"):
+        fused_ce.linear_cross_entropy(x, w, t)
+    assert torch.isfinite(fused_ce.linear_cross_entropy(x, w, t))  # reported once
+    with pytest.raises(IndexError, match="outside"):  # eager calls still check at once
+        fused_ce.linear_cross_entropy(x, w, torch.full_like(t, V))
+
+
+def test_reduce_overhead_compile_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(D, D, device="cuda", dtype=torch.bfloat16)
+    head = torch.randn(V, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def loss_fn(x, t):
+        return fused_ce.linear_cross_entropy(torch.tanh(model(x)), head, t, z_loss=1e-4)
+
+    compiled = torch.compile(loss_fn, mode="reduce-overhead")
+    for seed in range(4):
+        x, _, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda", seed=seed)
+        grads = []
+        for fn in (loss_fn, compiled):
+            model.zero_grad(set_to_none=True)
+            head.grad = None
+            loss = fn(x, t)
+            loss.backward()
+            grads.append((loss.detach().clone(), model.weight.grad.clone(), head.grad.clone()))
+        for got, want in zip(grads[1], grads[0]):
+            assert rel_err(got.float(), want.float()) < 1e-2, (seed, rel_err(got.float(), want.float()))
