@@ -134,7 +134,7 @@ def linear_cross_entropy(
     options = _op_options(
         reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, shard
     )
-    if shard is None:  # the op whose schema AOTInductor packages know (csrc/options.h)
+    if shard is None:  # the public op, whose schema saved graphs know (csrc/options.h)
         loss, lse = torch.ops.fused_ce.linear_cross_entropy(
             input, linear_weight, target, linear_bias, weight, *options[:7]
         )
