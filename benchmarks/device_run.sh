@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run every test, benchmark; short table last.
-#   [SKIP_TESTS=1] [SANITIZE=1] [FEATURES=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [SKIP_BENCH=1] \
+#   [SKIP_TESTS=1] [SANITIZE=1] [FEATURES=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [HF_EXAMPLE=1] \
+#   [SKIP_BENCH=1] \
 #     bash benchmarks/device_run.sh [bench.py arguments]
 # TP (two GPUs; the test suite has the NCCL test): the tensor-parallel example and benchmarks/bench_tp.py.
 # SANITIZE: compute-sanitizer memcheck and racecheck over CUDA tests, cuBLAS's kernels (nvjet) left out: they
@@ -36,6 +37,10 @@ fi
 if [ -n "${TP:-}" ]; then
   python3 -m torch.distributed.run --nproc-per-node 2 examples/tp_train.py --steps 20 2>&1 | grep -E "^step|Error"
   python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_tp.py 2>&1 | tee "$OUT/tp.log" | grep -vE "^W[0-9]+|^\*+$"
+fi
+if [ -n "${HF_EXAMPLE:-}" ]; then  # issue 11: the training example at Llama-3's vocabulary, with the largest batches
+  timeout "${HF_EXAMPLE_TIMEOUT:-240}" python3 examples/train_causal_lm.py --device cuda --vocab 128256 --seq 4096 \
+    --steps "${HF_EXAMPLE_STEPS:-60}" --find-max-batch --out "$OUT" 2>&1 | tee "$OUT/train_causal_lm.log" | tail -8
 fi
 if [ -n "${FEATURES:-}" ]; then
   python3 benchmarks/bench_features.py 2>&1 | tee "$OUT/features.log" | tail -16
