@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# (group name, this rank's rows, vocab_start given) -> (this rank's first class, every rank's rows)
 _SHARDS: dict[tuple[str, int, int | None], tuple[int, list[int]]] = {}
 
 
