@@ -28,6 +28,21 @@ TORCH_VERSION = torch.__version__.split("+")[0]
 )
 
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
+
+
+class AnyPythonWheel(bdist_wheel):
+    """Tags the wheel py3-none-<platform>: the library has no Python in it and the rest is pure Python, so one
+    wheel serves every Python version its torch is built for (still one wheel per torch version)."""
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
 class BuildWithKernels(BuildExtension):
     def finalize_options(self):
         super().finalize_options()
@@ -62,5 +77,5 @@ setup(
         )
     ],
     install_requires=[f"torch=={TORCH_VERSION}"],
-    cmdclass={"build_ext": BuildWithKernels},
+    cmdclass={"build_ext": BuildWithKernels, "bdist_wheel": AnyPythonWheel},
 )

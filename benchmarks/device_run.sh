@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run every test, benchmark; short table last.
 #   [SKIP_TESTS=1] [SANITIZE=1] [FEATURES=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [HF_EXAMPLE=1] \
-#   [SKIP_BENCH=1] \
+#   [SKIP_BENCH=1] [WHEEL=1 (dist/*.whl carried: test it instead of building)] \
 #     bash benchmarks/device_run.sh [bench.py arguments]
 # TP (two GPUs; the test suite has the NCCL test): the tensor-parallel example and benchmarks/bench_tp.py.
 # SANITIZE: compute-sanitizer memcheck and racecheck over CUDA tests, cuBLAS's kernels (nvjet) left out: they
@@ -17,6 +17,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ -n "${WHEEL:-}" ]; then
+  # A wheel built elsewhere (on the CPU machine, against this machine's torch; carried in dist/) instead of a
+  # build here: the CUDA tests run against it, from outside the source tree.
+  python3 -m pip install -q --no-deps --no-index --target /tmp/wheel_site dist/fused_ce-*.whl
+  repo=$(pwd)
+  (cd /tmp && PYTHONPATH=/tmp/wheel_site python3 -c "import fused_ce; print('wheel:', fused_ce.__file__, fused_ce.cuda_archs())" \
+    && PYTHONPATH=/tmp/wheel_site python3 -m pytest -q -p no:cacheprovider -m cuda "$repo/tests" 2>&1 \
+    | tee "$OUT/tests_wheel.log" | grep -E "^FAILED|^ERROR|passed|failed")
+  exit 0
+fi
 start=$(date +%s)
 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . 2>&1 | grep -v "WARNING: Running pip" | tail -5
 echo "build: $(( $(date +%s) - start )) s"
