@@ -36,9 +36,12 @@ def reference(x, w, t, dtype):
     xd, wd = x.to(dtype), w.to(dtype)
     counted = (t != -100).sum()
     loss = torch.zeros((), device=x.device, dtype=torch.float64)
-    grad_logits = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=dtype) if dtype != torch.float32 else None
-    dx = torch.empty(x.shape, device=x.device, dtype=torch.float32)
-    dw = torch.zeros(w.shape, device=x.device, dtype=torch.float32)
+    if dtype == torch.float32:  # dX and dW accumulated block by block
+        grad_logits = None
+        dx = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+        dw = torch.zeros(w.shape, device=x.device, dtype=torch.float32)
+    else:  # the whole logit gradient, for one GEMM each at the end
+        grad_logits = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=dtype)
     for r0 in range(0, x.shape[0], BLOCK):
         rows = slice(r0, r0 + BLOCK)
         logits = (xd[rows] @ wd.T).float().requires_grad_()

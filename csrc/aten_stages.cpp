@@ -95,17 +95,11 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
 }  // namespace
 
 RowStats aten_row_stats(const Problem& p, bool smoothing, int64_t block_rows) {
-  const auto opts = p.x.options().dtype(loss_dtype(p));
-  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), at::empty({p.N}, opts),
-             smoothing ? at::empty({p.N}, opts) : at::Tensor()};
+  const RowStats s = RowStats::allocate(p, smoothing);
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
     const Problem chunk = p.rows(r0, r1);
-    const RowStats part = stats_of(chunk, logits(chunk, 0, p.V), smoothing);
-    s.lse.narrow(0, r0, r1 - r0).copy_(part.lse);
-    s.target_gap.narrow(0, r0, r1 - r0).copy_(part.target_gap);
-    s.log_sum.narrow(0, r0, r1 - r0).copy_(part.log_sum);
-    if (smoothing) s.weighted_z_sum.narrow(0, r0, r1 - r0).copy_(part.weighted_z_sum);
+    s.rows(r0, r1).copy_(stats_of(chunk, logits(chunk, 0, p.V), smoothing));
   }
   return s;
 }

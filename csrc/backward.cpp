@@ -45,6 +45,18 @@ void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool ac
   }
 }
 
+Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
+  const auto opts = p.x.options();
+  Grads g;
+  if (need[0]) g.input = at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
+  if (need[1]) {  // zeros where no row will add to it
+    g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
+                        : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
+  }
+  if (need[2] && p.bias.defined()) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
+  return g;
+}
+
 Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficients& c, GradMask need) {
   const bool dot_tiles = plan.strategy == Strategy::DotTiles;
   TORCH_CHECK(dot_tiles || plan.strategy == Strategy::AtenChunks,
@@ -52,12 +64,7 @@ Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficient
   const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
   const auto opts = p.x.options();
   const auto gemm_dtype = plan.logits_dtype;
-  Grads g;
-  if (need_x) g.input = at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
-  if (need_w)
-    g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
-                        : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
-  if (need_b) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
+  Grads g = allocate_grads(p, plan, need);
   const at::Tensor x = p.x.to(gemm_dtype);
   const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor block_buffer;

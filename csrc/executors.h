@@ -35,7 +35,9 @@ std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions
                                              const GradCoefficients& unit, GradMask need);
 
 // Shared by the executors.
-RowStats empty_stats(const Problem& p);  // for N = 0
+// The gradients asked for (the bias's only with a bias), uninitialised but for
+// those that accumulate from zero.
+Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need);
 // raw logits x @ w.T + b of the rows of `p` into `out` (cuBLAS)
 void logits_into(const Problem& p, at::Tensor& out);
 // Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass).

@@ -8,11 +8,6 @@
 
 namespace fused_ce {
 
-RowStats empty_stats(const Problem& p) {
-  const auto opts = p.x.options().dtype(loss_dtype(p));
-  return {at::empty({0}, opts), at::empty({0}, opts), at::empty({0}, opts), at::empty({0}, opts)};
-}
-
 void logits_into(const Problem& p, at::Tensor& out) {
   if (p.bias.defined()) {
     at::addmm_out(out, p.bias, p.x, p.w.t());
@@ -22,10 +17,8 @@ void logits_into(const Problem& p, at::Tensor& out) {
 }
 
 RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows) {
-  const auto opts = p.x.options().dtype(at::kFloat);
   const bool smoothing_in_kernel = o.smoothing() && !plan.rank_one_smoothing;
-  RowStats s{at::empty({p.N}, opts), at::empty({p.N}, opts), at::empty({p.N}, opts),
-             smoothing_in_kernel ? at::empty({p.N}, opts) : at::Tensor()};
+  RowStats s = RowStats::allocate(p, smoothing_in_kernel);
   if (plan.rank_one_smoothing) s.weighted_z_sum = weighted_z_sum(p, class_weighted_w(p));
   at::Tensor buffer = at::empty({block_rows, p.V}, p.x.options());
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
@@ -39,7 +32,7 @@ RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const 
 }
 
 RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan) {
-  if (p.N == 0) return empty_stats(p);
+  if (p.N == 0) return RowStats::allocate(p, o.smoothing());
   switch (plan.strategy) {
     case Strategy::StoredLogits: return stats_from_stored_logits(p, o, plan, plan.block_rows);
     case Strategy::DotTiles: return cuda_row_stats(p, o.smoothing());

@@ -25,22 +25,6 @@ at::Tensor counted_rows_t_times(const at::Tensor& x, const at::Tensor& gamma, in
   return sum.to(x.scalar_type());
 }
 
-void copy_stats(const RowStats& out, const RowStats& part, bool smoothing) {
-  out.lse.copy_(part.lse);
-  out.target_gap.copy_(part.target_gap);
-  out.log_sum.copy_(part.log_sum);
-  if (smoothing) out.weighted_z_sum.copy_(part.weighted_z_sum);
-}
-
-Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
-  const auto opts = p.x.options();
-  Grads g;
-  if (need[0]) g.input = at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
-  if (need[1]) g.weight = at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
-  if (need[2]) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
-  return g;
-}
-
 // Blocks of whole vocabulary rows (StoredLogits, AtenChunks): each row's
 // gradient is final once its block is done, so dX is written once; dW
 // accumulates over blocks in the plan's dtype.
@@ -50,18 +34,12 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   const auto dtype = loss_dtype(p);
   const auto gemm_dtype = plan.logits_dtype;
   Grads g = allocate_grads(p, plan, need);
-  if (need[1] && p.N == 0) g.weight.zero_();
   // With rank-one smoothing the kernel leaves out its terms:
   // dX -= logit_scale * gamma (x) u, dW -= logit_scale * cw (x) (x.T @ gamma),
   // db -= logit_scale * cw * sum(gamma), and the weighted logit sums come from u.
   const bool rank_one = plan.rank_one_smoothing;
   const bool smoothing_in_kernel = o.smoothing() && !rank_one;
-  RowStats s = empty_stats(p);
-  if (p.N > 0) {
-    const auto sopts = p.x.options().dtype(dtype);
-    s = {at::empty({p.N}, sopts), at::empty({p.N}, sopts), at::empty({p.N}, sopts),
-         smoothing_in_kernel ? at::empty({p.N}, sopts) : at::Tensor()};
-  }
+  RowStats s = RowStats::allocate(p, smoothing_in_kernel);
   const at::Tensor x = p.x.to(gemm_dtype);
   const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor u, neg_gamma;
@@ -89,7 +67,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
     } else if (o.vocab_parallel()) {  // the lse over all shards before the gradient: the logits twice (CPU)
       const RowStats part = aten_row_stats(pr, smoothing_in_kernel, r1 - r0);
-      copy_stats(block_stats, part, smoothing_in_kernel);
+      block_stats.copy_(part);
       combine_vocab_shards(pr, block_stats, o);
       GradCoefficients with_lse = cr;
       with_lse.lse = block_stats.lse;
@@ -98,7 +76,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       RowStats part;
       std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, smoothing_in_kernel);
       block = block.to(gemm_dtype);
-      copy_stats(block_stats, part, smoothing_in_kernel);
+      block_stats.copy_(part);
     }
     if (need[0]) {
       at::Tensor gx = g.input.narrow(0, r0, r1 - r0);

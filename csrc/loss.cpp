@@ -51,7 +51,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy(
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(vocab_shard(p, o), o, Pass::Forward);
+  const Plan plan = make_plan(p, o, Pass::Forward);
   prepare_targets(p, o, plan, /*check=*/true, nullptr);
   const Problem shard = vocab_shard(p, o);
   const RowStats s = forward_stats(shard, o, plan);
@@ -66,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(vocab_shard(p, o), o, Pass::Backward);
+  const Plan plan = make_plan(p, o, Pass::Backward);
   prepare_targets(p, o, plan, /*check=*/false, nullptr);  // the forward checked these targets
   GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse);
   c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     std::array<bool, 3> output_mask, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(vocab_shard(p, o), o, Pass::ForwardWithGrad);
+  const Plan plan = make_plan(p, o, Pass::ForwardWithGrad);
   GradCoefficients unit;
   prepare_targets(p, o, plan, /*check=*/true, &unit);
   const auto [s, g] = forward_with_grad(vocab_shard(p, o), o, plan, unit, output_mask);
@@ -93,7 +93,7 @@ plan_of(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tens
         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
   const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(vocab_shard(p, o), o, parse_pass(pass));
+  const Plan plan = make_plan(p, o, parse_pass(pass));
   return {std::string(pass),
           strategy_name(plan.strategy),
           plan.block_rows,

@@ -62,6 +62,19 @@ RowStats RowStats::rows(int64_t begin, int64_t end) const {
           slice(weighted_z_sum, begin, end)};
 }
 
+void RowStats::copy_(const RowStats& part) const {
+  lse.copy_(part.lse);
+  target_gap.copy_(part.target_gap);
+  log_sum.copy_(part.log_sum);
+  if (weighted_z_sum.defined() && part.weighted_z_sum.defined()) weighted_z_sum.copy_(part.weighted_z_sum);
+}
+
+RowStats RowStats::allocate(const Problem& p, bool weighted_sums) {
+  const auto opts = p.x.options().dtype(loss_dtype(p));
+  return {at::empty({p.N}, opts), at::empty({p.N}, opts), at::empty({p.N}, opts),
+          weighted_sums ? at::empty({p.N}, opts) : at::Tensor()};
+}
+
 at::ScalarType loss_dtype(const Problem& p) {
   return p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }

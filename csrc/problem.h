@@ -46,6 +46,9 @@ struct RowStats {
   at::Tensor log_sum;                               // [N] float32: log sum_c exp(z[r, c] - max), in [0, log V]
   at::Tensor weighted_z_sum;                        // [N] float32, with label smoothing only: sum_c cw[c] * z[r, c]
   RowStats rows(int64_t begin, int64_t end) const;  // views of rows [begin, end)
+  void copy_(const RowStats& part) const;           // part's values into these (same rows)
+  // Uninitialised stats of p's rows in the loss dtype; weighted_z_sum only with `weighted_sums`.
+  static RowStats allocate(const Problem& p, bool weighted_sums);
 };
 
 // Per-row coefficients of the logit gradient:

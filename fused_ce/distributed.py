@@ -106,10 +106,8 @@ def resolve(input, linear_weight, target, linear_bias, weight, process_group, vo
 
     if _is_dtensor(linear_weight):
         mesh, placements = linear_weight.device_mesh, tuple(linear_weight.placements)
-        if placements == (Replicate(),):
-            if uses_dtensors(input, linear_bias):
-                input, linear_bias = _full(input), _full(linear_bias)
-            return _full(input), linear_weight.to_local(), _full(target), linear_bias, _full(weight), None
+        if placements == (Replicate(),):  # the whole weight on every rank: no vocabulary split
+            return _full(input), linear_weight.to_local(), _full(target), _full(linear_bias), _full(weight), None
         if mesh.ndim != 1 or placements != (Shard(0),):
             raise ValueError(
                 f"fused_ce: linear_weight is a DTensor placed {placements} on a {mesh.ndim}-D mesh; a vocabulary-"
