@@ -15,6 +15,7 @@ import argparse
 import copy
 import math
 import resource
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -142,10 +143,13 @@ def main():
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    ids, vocab = tokenize(args.vocab, int(args.corpus_mib * 2**20))
+    ids, learned = tokenize(args.vocab, int(args.corpus_mib * 2**20))
+    # A small corpus learns fewer merges than asked for; the model keeps the size asked for (its unused rows
+    # are like Llama 3's reserved tokens), so the output layer has the shape being measured.
+    vocab = max(learned, args.vocab)
     print(
-        f"corpus: {len(ids):,} tokens, vocabulary {vocab:,}; model dim {args.dim}, {args.layers} layers, "
-        f"seq {args.seq}, batch {args.batch}, {device} {dtype}"
+        f"corpus: {len(ids):,} tokens, BPE vocabulary {learned:,}, model vocabulary {vocab:,}; model dim {args.dim}, "
+        f"{args.layers} layers, seq {args.seq}, batch {args.batch}, {device} {dtype}"
     )
     base = make_model(vocab, args, device, dtype)
     runs = [train("transformers", copy.deepcopy(base), ids, args, device)]
@@ -156,18 +160,28 @@ def main():
         for run, patch in zip(runs, (lambda m: m, apply)):
             run["max_batch"] = max_batch(lambda p=patch: p(make_model(vocab, args, device, dtype)), args, device)
 
-    print(
-        "\n| method | tokens/s | peak memory MiB | final loss (mean of last 10) |"
-        + (" largest batch |" if args.find_max_batch else "")
-    )
-    print("|---|---|---|---|" + ("---|" if args.find_max_batch else ""))
+    table = [
+        "| method | tokens/s | peak memory MiB | final loss (mean of last 10) |"
+        + (" largest batch |" if args.find_max_batch else ""),
+        "|---|---|---|---|" + ("---|" if args.find_max_batch else ""),
+    ]
     for r in runs:
         last = sum(r["losses"][-10:]) / len(r["losses"][-10:])
         extra = f" {r['max_batch']} |" if "max_batch" in r else ""
-        print(f"| {r['method']} | {r['tokens_per_s']:,.0f} | {r['peak_mib']:,.0f} | {last:.4f} |{extra}")
+        table.append(f"| {r['method']} | {r['tokens_per_s']:,.0f} | {r['peak_mib']:,.0f} | {last:.4f} |{extra}")
     if device == "cpu":
-        print("(CPU peak memory is the process's resident peak: both runs share one process, see the GPU figures)")
-    plot(runs, Path(args.out) / f"train_causal_lm_{device}.png", args)
+        table.append("(CPU peak memory is the process's resident peak, shared by both runs: see the GPU figures)")
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    header = (
+        f"{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}; `{' '.join(sys.argv)}`; "
+        f"{len(ids):,} tokens, model vocabulary {vocab:,}, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
+        f"batch {args.batch}, {args.steps} steps, {dtype}"
+    )
+    print("\n" + header + "\n\n" + "\n".join(table))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"train_causal_lm_{device}.md").write_text(header + "\n\n" + "\n".join(table) + "\n")
+    plot(runs, out / f"train_causal_lm_{device}.png", args)
 
 
 def plot(runs, path, args):

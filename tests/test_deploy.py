@@ -1,6 +1,7 @@
 """Deployment routes run end to end: torch.export + AOTInductor packaging, loaded in a fresh process."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -34,26 +35,38 @@ class Scorer(torch.nn.Module):
         )
 
 
-# Seen on the H200 with torch 2.11: loading a CPU package crashes there too (exit -11); with torch 2.11 on a
-# machine without a GPU, and with torch 2.13, the CPU package works.
-TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-CPU_CRASHES = torch.cuda.is_available() and TORCH_VERSION < (2, 13)
+def loaded_libstdcxx():
+    with open("/proc/self/maps") as maps:
+        return {os.path.realpath(p) for p in re.findall(r"\S*/libstdc\+\+\.so\S*", maps.read())}
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        d
-        if d == "cpu" and not CPU_CRASHES
-        else pytest.param(
-            d,
-            marks=pytest.mark.xfail(
-                reason="issue 12: loading the package crashes (exit -11) on CUDA, and with torch 2.11 on a GPU machine"
-            ),
-        )
-        for d in DEVICES
-    ],
-)
+def uses_loaded_libstdcxx(cxx, loaded, workdir):
+    """Whether a shared library built by `cxx` links this process's libstdc++ (not another one, not statically)."""
+    src, lib = os.path.join(workdir, "probe.cpp"), os.path.join(workdir, f"probe_{len(os.listdir(workdir))}.so")
+    with open(src, "w") as f:
+        f.write("#include <string>\nstd::string probe(int i) { return std::to_string(i); }\n")
+    try:
+        built = subprocess.run([cxx, "-shared", "-fPIC", src, "-o", lib], capture_output=True, timeout=120)
+        own = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, timeout=60)
+        needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True, timeout=60).stdout
+    except OSError:
+        return False
+    return built.returncode == 0 and "libstdc++.so.6" in needed and os.path.realpath(own.stdout.strip()) in loaded
+
+
+def package_compiler(workdir):
+    """The C++ compiler for AOTInductor's package: $CXX (inductor's choice), unless what it builds does not run on
+    the libstdc++ this process has loaded and g++ on PATH's does. The package compiles torch's AOTI runtime
+    headers (their std::regex among them); built against another libstdc++, loading any package crashes (seen
+    on the H200 machine, whose CXX is a second GCC: README, "AOTInductor")."""
+    cxx = os.environ.get("CXX", "g++")
+    loaded = loaded_libstdcxx()
+    if not loaded or uses_loaded_libstdcxx(cxx, loaded, workdir) or not uses_loaded_libstdcxx("g++", loaded, workdir):
+        return cxx
+    return "g++"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_aot_inductor_package_in_a_fresh_process(device, tmp_path):
     torch.manual_seed(0)
     model = Scorer().to(device).eval()
@@ -64,7 +77,8 @@ def test_aot_inductor_package_in_a_fresh_process(device, tmp_path):
         expected = model(hidden, target)
     exported = torch.export.export(model, (hidden, target))
     assert "fused_ce.linear_cross_entropy" in exported.graph_module.code  # one node, not decomposed
-    package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "scorer.pt2"))
+    with torch._inductor.config.patch({"cpp.cxx": (None, package_compiler(str(tmp_path)))}):
+        package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "scorer.pt2"))
     torch.save(dict(args=(hidden, target), expected=expected), tmp_path / "inputs.pt")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(

@@ -4,7 +4,7 @@ Every rank's loss, lse and gradients must equal the single-process result (float
 uneven shards, shards out of rank order, every keyword and reduction, DTensor inputs (replicated and
 sequence parallel), FSDP2 (the supported pattern, the refused misuse, and FSDP2 + TP on a 2-D mesh),
 torch.compile(fullgraph=True) of a tensor-parallel step. One spawn per case list: each checks many.
-The same equality on two GPUs over NCCL is tests/test_distributed.py::test_nccl_* (device only).
+The same equality on two GPUs over NCCL, and the compiled step there, is test_nccl_* (device only).
 """
 
 import os
@@ -266,8 +266,8 @@ def test_fsdp2_with_tensor_parallel_on_2d_mesh():
     spawn(check_fsdp2_with_tp, 4)
 
 
-def check_compiled_step(rank, world):
-    x, w, b, cw, t = problem()
+def check_compiled_step(rank, world, device="cpu"):
+    x, w, b, cw, t = problem(device)
     shard = w[rank * 25 : (rank + 1) * 25].clone()
     group = dist.group.WORLD
 
@@ -298,6 +298,7 @@ def check_nccl(rank, world):
     assert rel(got[0][0], ref[0][0]) < 1e-5
     assert rel(got[1], ref[1]) < 1e-2  # bf16: each rank's dX part rounded once, then summed
     assert rel(got[2], ref[2][rank * rows : (rank + 1) * rows]) < 1e-2
+    check_compiled_step(rank, world, "cuda")  # fullgraph over NCCL's functional collectives
 
 
 @pytest.mark.cuda
