@@ -1,10 +1,12 @@
 """Measurements behind the tile table and the optimisation log (benchmarks/NOTES.md).
 
-    python benchmarks/tune.py [--shape A]
+    python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,gemm]
 
 On a GPU with triton: times the kernels' JIT builds under candidate
 configurations (row_stats for the loss-only forward without stored logits; the
-tiles of logit_partials and softmax_grad for the passes over stored logits).
+tiles of logit_partials and softmax_grad for the passes over stored logits; the
+persistent TMA GEMM of gemm.py against torch.mm for the logits, dX and dW GEMMs
+of a row block at every shape, the first milestone of issue 13's fused GEMMs).
 Prints tables; writes tune.json to --out. The JIT specialises on integer
 arguments divisible by 16; the AOT variants declare the same only where
 fused_ce/_build/aot.py says so (NOTES.md, step 14), so check a JIT finding in
@@ -43,6 +45,18 @@ SOFTMAX_GRAD = [
     (8, 1024, 4),
     (8, 2048, 8),
     (32, 1024, 8),
+]
+
+
+# block_m, block_n, block_k, group_m, num_warps, num_stages, split_epilogue: the persistent TMA GEMM (gemm.py)
+TMA_GEMM = [
+    (128, 256, 64, 8, 8, 3, True),
+    (128, 256, 64, 8, 8, 4, True),
+    (128, 256, 64, 8, 8, 3, False),
+    (128, 256, 64, 16, 8, 3, True),
+    (128, 128, 64, 8, 8, 4, True),
+    (128, 128, 64, 8, 4, 4, False),
+    (256, 128, 64, 8, 8, 3, True),
 ]
 
 
@@ -119,9 +133,90 @@ def tune_softmax_grad(x, w, t, warmup, repeat, candidates=None, block_rows=2048)
     return rows
 
 
+def tune_gemm(shape, warmup, repeat):
+    """The three GEMMs of one row block (the plan's rows at `shape`): torch.mm (cuBLAS) against gemm.py under
+    each TMA_GEMM candidate, interleaved round by round; median ms, TFLOP/s, the share of torch.mm's rate and
+    the relative error against float32 (torch.mm's own beside it). dW accumulates into a bf16 dW (beta = 1),
+    as the plan does for the blocks after the first, up to 8 blocks."""
+    import fused_ce
+    from fused_ce.kernels import configs, jit
+
+    N, D, V = SHAPES[shape]
+    x, w, t = make_inputs(N, D, V, "cuda")
+    rows = fused_ce.plan(x.requires_grad_(), w, t).block_rows
+    x = x.detach()[:rows].contiguous()
+    g = torch.randn(rows, V, device="cuda").div_(V**0.5).to(x.dtype)  # a logit gradient's scale
+    z, dx = torch.empty(rows, V, dtype=x.dtype, device="cuda"), torch.empty(rows, D, dtype=x.dtype, device="cuda")
+    dw = torch.zeros(V, D, dtype=x.dtype, device="cuda")
+    cases = {  # output, float32 reference, torch's GEMM, gemm.py's under a configuration
+        "logits": (
+            z,
+            lambda: x.float() @ w.float().T,
+            lambda: torch.mm(x, w.T, out=z),
+            lambda cfg: jit.gemm(x, w, z, b_t=True, config=cfg),
+        ),
+        "dX": (
+            dx,
+            lambda: g.float() @ w.float(),
+            lambda: torch.mm(g, w, out=dx),
+            lambda cfg: jit.gemm(g, w, dx, config=cfg),
+        ),
+        "dW": (
+            dw,
+            lambda: g.float().T @ x.float(),
+            lambda: dw.addmm_(g.T, x),
+            lambda cfg: jit.gemm(g, x, dw, a_t=True, accumulate=True, config=cfg),
+        ),
+    }
+    methods = {"torch.mm": None} | {str(c): configs.TmaGemmConfig(*c) for c in TMA_GEMM}
+    flop = 2 * rows * D * V
+    rows_out = []
+    for gemm, (out, reference, baseline, candidate) in cases.items():
+        expected = reference()
+        runs, errors = {}, {}
+        for name, cfg in methods.items():
+            runs[name] = baseline if cfg is None else (lambda cfg=cfg, candidate=candidate: candidate(cfg))
+            try:
+                out.zero_()  # dW accumulates: the check starts from zero, the timed runs keep adding
+                runs[name]()
+                torch.cuda.synchronize()
+                errors[name] = ((out.float() - expected).norm() / expected.norm()).item()
+            except Exception as exc:  # out of shared memory, no TMA, ...
+                print(f"{shape} {gemm} {name}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                del runs[name]
+        times = {name: [] for name in runs}
+        for round_ in range(warmup + repeat):
+            for name, fn in runs.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                if round_ >= warmup:
+                    times[name].append(start.elapsed_time(end))
+        base = statistics.median(times["torch.mm"])
+        for name, ms_list in times.items():
+            ms = statistics.median(ms_list)
+            rows_out.append(
+                dict(
+                    kernel="gemm",
+                    shape=shape,
+                    gemm=gemm,
+                    rows=rows,
+                    config=name,
+                    ms=ms,
+                    tflops=flop / ms / 1e9,
+                    of_torch_mm=base / ms,
+                    rel_err=errors[name],
+                )
+            )
+    return rows_out
+
+
 def main():
     parser = shape_parser(__doc__, repeat=5)
-    parser.add_argument("--parts", default="row_stats,softmax_grad")
+    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: gemm")
+    parser.add_argument("--gemm-shapes", default="A,B,C", help="shapes of the gemm part")
     args = parser.parse_args()
     parts = args.parts.split(",")
     N, D, V = SHAPES[args.shape]
@@ -146,6 +241,16 @@ def main():
             print(
                 f"  {str(r['config']):14s} write_grad={int(r['write_grad'])}  {r['ms']:.3f} ms  "
                 f"{r['tb_per_s']:.2f} TB/s"
+            )
+    if "gemm" in parts:
+        result["gemm"] = [
+            r for shape in args.gemm_shapes.split(",") for r in tune_gemm(shape, args.warmup, args.repeat)
+        ]
+        print("the GEMMs of one row block, gemm.py's persistent TMA kernel against torch.mm (share of its rate):")
+        for r in result["gemm"]:
+            print(
+                f"  {r['shape']} {r['gemm']:6s} {r['rows']} rows  {r['config']:36s} {r['ms']:.3f} ms  "
+                f"{r['tflops']:.0f} TFLOP/s  {r['of_torch_mm']:.3f}  rel err {r['rel_err']:.1e}"
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

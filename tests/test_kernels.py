@@ -245,3 +245,39 @@ def test_prepare_rows_counts_bad_targets():
     assert bad == 2  # -1 and 9 are outside [0, 9) and not ignore_index
     assert tgt.tolist() == [0, 5, -1, -1, -1, 3]
     assert totals[1].item() == 3
+
+
+GEMM_CASES = [  # M, N, K: tails in every dimension, and whole tiles; rows of 16 bytes' multiples (TMA)
+    (40, 72, 56),
+    (33, 24, 104),
+    (64, 64, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("M, N, K", GEMM_CASES)
+def test_tma_gemm_layouts_of_a_row_block(dtype, M, N, K):
+    """gemm.py's three uses: logits X @ W.T, dX = G @ W, dW += G.T @ X (into float32 and the input dtype)."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA device: sm_90 or later (TMA)")
+    g = torch.Generator().manual_seed(M * N * K)
+    x, w, grad = (torch.randn(*s, generator=g).to(DEVICE, dtype) for s in ((M, K), (N, K), (M, N)))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+
+    def rel(got, want):
+        return ((got.double() - want).norm() / want.norm()).item()
+
+    z = jit.gemm(x, w, torch.empty(M, N, dtype=dtype, device=DEVICE), b_t=True)
+    assert rel(z, x.double() @ w.double().T) < tol
+    dx = jit.gemm(grad, w, torch.empty(M, K, dtype=dtype, device=DEVICE))
+    assert rel(dx, grad.double() @ w.double()) < tol
+    for c_dtype in (torch.float32, dtype):
+        dw0 = torch.randn(N, K, generator=g).to(DEVICE, c_dtype)
+        dw = jit.gemm(grad, x, dw0.clone(), a_t=True, accumulate=True)
+        assert rel(dw, dw0.double() + grad.double().T @ x.double()) < tol
+
+
+def test_tma_gemm_refuses_unaligned_rows():
+    x = torch.randn(8, 12, device=DEVICE, dtype=torch.float16)  # 24-byte rows
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        jit.gemm(x, x, torch.empty(8, 8, device=DEVICE, dtype=torch.float16), b_t=True)

@@ -50,9 +50,25 @@ _GEMM_FP32 = {
     120: TileConfig(64, 64, 32, 16, 4, 3),
 }
 
+@dataclass(frozen=True)
+class TmaGemmConfig:  # family "tma_gemm": gemm.py, the persistent TMA GEMM (Hopper and later)
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    split_epilogue: bool
+
+
+# A starting point from triton's persistent-matmul tutorial's search space, not yet measured here:
+# benchmarks/tune.py --parts gemm sweeps the candidates at the plan's shapes.
+_TMA_GEMM = TmaGemmConfig(128, 256, 64, 8, 8, 3, True)
+
 # Small tiles for the CPU interpreter (tests): fast there and exercise tails.
 INTERPRETER = {
     "gemm": TileConfig(16, 32, 16, 2, 4, 1),
+    "tma_gemm": TmaGemmConfig(16, 32, 16, 2, 4, 1, True),
     "tile": RowConfig(32, 4, rows=4),
     "combine": RowConfig(2, 4, rows=4),  # 2 segments per step: several steps in tests
     "elementwise": RowConfig(64, 4),
@@ -69,6 +85,10 @@ def config(family: str, arch: int, dtype: str):
         # Same-major fallback to the nearest lower minor we have a measurement for.
         lower = [a for a in table if a // 10 == arch // 10 and a <= arch] or [min(table)]
         return table[max(lower)]
+    if family == "tma_gemm":
+        if arch < 90:
+            raise ValueError(f"the TMA GEMM needs sm_90 or later, not sm_{arch}")
+        return _TMA_GEMM
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping

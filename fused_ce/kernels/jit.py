@@ -18,6 +18,9 @@ from . import (
     configs,
 )
 from . import (
+    gemm as _gemm,
+)
+from . import (
     logit_grad as _logit_grad,
 )
 from . import (
@@ -224,3 +227,27 @@ def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, 
                  reduction=code),
             BLOCK=cfg.block, num_warps=cfg.num_warps)
     return loss if code == 0 else loss[0]
+
+
+def gemm(a, b, c, *, a_t=False, b_t=False, accumulate=False, config=None, programs=None):
+    """c = op(a) @ op(b), or c += it with ``accumulate`` (gemm.py); op transposes a stored [K, M] a (``a_t``) or
+    a stored [N, K] b (``b_t``). Every operand row-major; c float32 or the inputs' dtype. Returns c."""
+    cfg = _config(_gemm, a, config)
+    M, K = (a.shape[1], a.shape[0]) if a_t else a.shape
+    N = b.shape[0] if b_t else b.shape[1]
+    if (b.shape[1] if b_t else b.shape[0]) != K or tuple(c.shape) != (M, N):
+        raise ValueError(f"gemm: shapes {tuple(a.shape)}, {tuple(b.shape)} -> {tuple(c.shape)} do not match")
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16:
+            raise ValueError(f"gemm: {name} must be row-major with 16-byte aligned rows (a TMA descriptor)")
+    # device-side tensor descriptors live in a global scratch buffer that triton asks for at launch
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=a.device))
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    _launch(_gemm, (max(1, min(tiles, programs)),),
+            dict(a_ptr=a, b_ptr=b, c_ptr=c, M=M, N=N, K=K, lda=a.stride(0), ldb=b.stride(0), ldc=c.stride(0)),
+            A_T=a_t, B_T=b_t, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, SPLIT_EPILOGUE=cfg.split_epilogue, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    return c
