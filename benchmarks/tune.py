@@ -60,6 +60,24 @@ TMA_GEMM = [
 ]
 
 
+def interleaved_ms(cases, warmup, repeat, before=None):
+    """Median ms of each case's call (name -> fn), the cases interleaved round by round so that clock drift
+    hits them alike; `before()` runs untimed ahead of every call."""
+    times = {name: [] for name in cases}
+    for round_ in range(warmup + repeat):
+        for name, fn in cases.items():
+            if before is not None:
+                before()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            if round_ >= warmup:
+                times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(ms) for name, ms in times.items()}
+
+
 def tune_row_stats(x, w, t, warmup, repeat):
     from fused_ce.kernels import configs, jit
 
@@ -105,22 +123,14 @@ def tune_softmax_grad(x, w, t, warmup, repeat, candidates=None, block_rows=2048)
     ones = torch.ones(n, device="cuda")
     zeros = torch.zeros(n, device="cuda")
     gbytes = logits.numel() * logits.element_size() / 1e9
-    cases = [(name, write_grad) for name in candidates for write_grad in (True, False)]
-    times = {case: [] for case in cases}
-    for round_ in range(warmup + repeat):
-        for case in cases:
-            name, write_grad = case
-            torch.mm(x[:n], w.T, out=logits)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            candidates[name](logits, t[:n], ones, zeros, write_grad)
-            end.record()
-            end.synchronize()
-            if round_ >= warmup:
-                times[case].append(start.elapsed_time(end))
+    cases = {
+        (name, write_grad): (lambda fn=fn, write_grad=write_grad: fn(logits, t[:n], ones, zeros, write_grad))
+        for name, fn in candidates.items()
+        for write_grad in (True, False)
+    }
+    medians = interleaved_ms(cases, warmup, repeat, before=lambda: torch.mm(x[:n], w.T, out=logits))
     rows = []
-    for (name, write_grad), ms_list in times.items():
-        ms = statistics.median(ms_list)
+    for (name, write_grad), ms in medians.items():
         rows.append(
             dict(
                 kernel="softmax_grad",
@@ -184,19 +194,9 @@ def tune_gemm(shape, warmup, repeat):
             except Exception as exc:  # out of shared memory, no TMA, ...
                 print(f"{shape} {gemm} {name}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                 del runs[name]
-        times = {name: [] for name in runs}
-        for round_ in range(warmup + repeat):
-            for name, fn in runs.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                if round_ >= warmup:
-                    times[name].append(start.elapsed_time(end))
-        base = statistics.median(times["torch.mm"])
-        for name, ms_list in times.items():
-            ms = statistics.median(ms_list)
+        medians = interleaved_ms(runs, warmup, repeat)
+        base = medians["torch.mm"]
+        for name, ms in medians.items():
             rows_out.append(
                 dict(
                     kernel="gemm",
