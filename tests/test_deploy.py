@@ -57,8 +57,8 @@ def uses_loaded_libstdcxx(cxx, loaded, workdir):
 def package_compiler(workdir):
     """The C++ compiler for AOTInductor's package: $CXX (inductor's choice), unless what it builds does not run on
     the libstdc++ this process has loaded and g++ on PATH's does. The package compiles torch's AOTI runtime
-    headers (their std::regex among them); built against another libstdc++, loading any package crashes (seen
-    on the H200 machine, whose CXX is a second GCC: README, "AOTInductor")."""
+    headers (their std::regex among them); with another libstdc++, or one linked in statically, loading any
+    package crashes (seen on the H200 machine, whose CXX is a GCC wrapper that links it statically: README)."""
     cxx = os.environ.get("CXX", "g++")
     loaded = loaded_libstdcxx()
     if not loaded or uses_loaded_libstdcxx(cxx, loaded, workdir) or not uses_loaded_libstdcxx("g++", loaded, workdir):
