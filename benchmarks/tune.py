@@ -144,10 +144,12 @@ def tune_softmax_grad(x, w, t, warmup, repeat, candidates=None, block_rows=2048)
 
 
 def tune_gemm(shape, warmup, repeat):
-    """The three GEMMs of one row block (the plan's rows at `shape`): torch.mm (cuBLAS) against gemm.py under
-    each TMA_GEMM candidate, interleaved round by round; median ms, TFLOP/s, the share of torch.mm's rate and
-    the relative error against float32 (torch.mm's own beside it). dW accumulates into a bf16 dW (beta = 1),
-    as the plan does for the blocks after the first, up to 8 blocks."""
+    """The GEMMs of one row block (the plan's rows at `shape`): torch.mm (cuBLAS) against gemm.py under each
+    TMA_GEMM candidate, interleaved round by round; median ms, TFLOP/s, the share of torch's rate and the
+    relative error against float32 (torch's own beside it). dW accumulates into a bf16 dW (beta = 1), as the
+    plan does for the blocks after the first, up to 8 blocks. "logits+stats": the logits GEMM with the row
+    statistics (lse) in its epilogue against torch.mm followed by the passes that read them back
+    (logit_partials, combine_partials): what fusing the first pass would save."""
     import fused_ce
     from fused_ce.kernels import configs, jit
 
@@ -155,47 +157,63 @@ def tune_gemm(shape, warmup, repeat):
     x, w, t = make_inputs(N, D, V, "cuda")
     rows = fused_ce.plan(x.requires_grad_(), w, t).block_rows
     x = x.detach()[:rows].contiguous()
+    t = torch.where(t[:rows] < 0, -1, t[:rows])  # the kernels' convention for ignored rows
     g = torch.randn(rows, V, device="cuda").div_(V**0.5).to(x.dtype)  # a logit gradient's scale
     z, dx = torch.empty(rows, V, dtype=x.dtype, device="cuda"), torch.empty(rows, D, dtype=x.dtype, device="cuda")
     dw = torch.zeros(V, D, dtype=x.dtype, device="cuda")
-    cases = {  # output, float32 reference, torch's GEMM, gemm.py's under a configuration
+
+    def plain(fn):  # a runner: fn's output (`check`: the run whose output is compared)
+        return lambda check=False: fn()
+
+    def accumulated(fn):  # dW accumulates: the check starts from zero, the timed runs keep adding
+        def run(check=False):
+            if check:
+                dw.zero_()
+            fn()
+            return dw
+
+        return run
+
+    cases = {  # float32 reference, torch's runner, gemm.py's runner under a configuration
         "logits": (
-            z,
             lambda: x.float() @ w.float().T,
-            lambda: torch.mm(x, w.T, out=z),
-            lambda cfg: jit.gemm(x, w, z, b_t=True, config=cfg),
+            plain(lambda: torch.mm(x, w.T, out=z)),
+            lambda cfg: plain(lambda: jit.gemm(x, w, z, b_t=True, config=cfg)),
         ),
         "dX": (
-            dx,
             lambda: g.float() @ w.float(),
-            lambda: torch.mm(g, w, out=dx),
-            lambda cfg: jit.gemm(g, w, dx, config=cfg),
+            plain(lambda: torch.mm(g, w, out=dx)),
+            lambda cfg: plain(lambda: jit.gemm(g, w, dx, config=cfg)),
         ),
         "dW": (
-            dw,
             lambda: g.float().T @ x.float(),
-            lambda: dw.addmm_(g.T, x),
-            lambda cfg: jit.gemm(g, x, dw, a_t=True, accumulate=True, config=cfg),
+            accumulated(lambda: dw.addmm_(g.T, x)),
+            lambda cfg: accumulated(lambda: jit.gemm(g, x, dw, a_t=True, accumulate=True, config=cfg)),
+        ),
+        "logits+stats": (
+            lambda: (x.float() @ w.float().T).logsumexp(1),
+            plain(lambda: jit.stats_from_logits(torch.mm(x, w.T, out=z), t)[0]),
+            lambda cfg: plain(lambda: jit.logits_with_partials(x, w, t, config=cfg)[1]),
         ),
     }
-    methods = {"torch.mm": None} | {str(c): configs.TmaGemmConfig(*c) for c in TMA_GEMM}
+    methods = {"torch": None} | {str(c): configs.TmaGemmConfig(*c) for c in TMA_GEMM}
     flop = 2 * rows * D * V
     rows_out = []
-    for gemm, (out, reference, baseline, candidate) in cases.items():
+    for gemm, (reference, baseline, candidate) in cases.items():
         expected = reference()
         runs, errors = {}, {}
         for name, cfg in methods.items():
-            runs[name] = baseline if cfg is None else (lambda cfg=cfg, candidate=candidate: candidate(cfg))
+            runs[name] = baseline if cfg is None else candidate(cfg)
             try:
-                out.zero_()  # dW accumulates: the check starts from zero, the timed runs keep adding
-                runs[name]()
+                out = runs[name](check=True)
                 torch.cuda.synchronize()
                 errors[name] = ((out.float() - expected).norm() / expected.norm()).item()
             except Exception as exc:  # out of shared memory, no TMA, ...
                 print(f"{shape} {gemm} {name}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                 del runs[name]
+        del expected
         medians = interleaved_ms(runs, warmup, repeat)
-        base = medians["torch.mm"]
+        base = medians["torch"]
         for name, ms in medians.items():
             rows_out.append(
                 dict(
@@ -206,7 +224,7 @@ def tune_gemm(shape, warmup, repeat):
                     config=name,
                     ms=ms,
                     tflops=flop / ms / 1e9,
-                    of_torch_mm=base / ms,
+                    of_torch=base / ms,
                     rel_err=errors[name],
                 )
             )
@@ -246,11 +264,11 @@ def main():
         result["gemm"] = [
             r for shape in args.gemm_shapes.split(",") for r in tune_gemm(shape, args.warmup, args.repeat)
         ]
-        print("the GEMMs of one row block, gemm.py's persistent TMA kernel against torch.mm (share of its rate):")
+        print("the GEMMs of one row block, gemm.py's persistent TMA kernel against torch (share of its rate):")
         for r in result["gemm"]:
             print(
                 f"  {r['shape']} {r['gemm']:6s} {r['rows']} rows  {r['config']:36s} {r['ms']:.3f} ms  "
-                f"{r['tflops']:.0f} TFLOP/s  {r['of_torch_mm']:.3f}  rel err {r['rel_err']:.1e}"
+                f"{r['tflops']:.0f} TFLOP/s  {r['of_torch']:.3f}  rel err {r['rel_err']:.1e}"
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -281,3 +281,24 @@ def test_tma_gemm_refuses_unaligned_rows():
     x = torch.randn(8, 12, device=DEVICE, dtype=torch.float16)  # 24-byte rows
     with pytest.raises(ValueError, match="16-byte aligned"):
         jit.gemm(x, x, torch.empty(8, 8, device=DEVICE, dtype=torch.float16), b_t=True)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
+def test_logits_gemm_epilogue_statistics(case, split):
+    """gemm.py's logits epilogue writes what logit_partials would read back: the same row statistics."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA device: sm_90 or later (TMA)")
+    # D and V: rows of 16-byte multiples for the TMA descriptors, with tails for every tile
+    x, w, t, b, cw, scale, cap = case_inputs(dict(case, D=48, V=104, bias=True, class_weight=True))
+    dtype = {torch.float32: "fp32", torch.float16: "fp16"}[x.dtype]
+    cfg = configs.INTERPRETER["tma_gemm"] if DEVICE == "cpu" else configs.config("tma_gemm", 90, dtype)
+    cfg = configs.TmaGemmConfig(*(getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "split_epilogue"), split)
+    logits, *stats = jit.logits_with_partials(
+        x, w, t, bias=b, class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True, config=cfg
+    )
+    raw = x.double() @ w.double().T + b.double()
+    assert ((logits.double() - raw).norm() / raw.norm()).item() < 4 * torch.finfo(x.dtype).eps
+    expected = jit.stats_from_logits(logits, t, class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True)
+    for got, want in zip(stats, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

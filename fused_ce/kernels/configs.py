@@ -64,6 +64,7 @@ class TmaGemmConfig:  # family "tma_gemm": gemm.py, the persistent TMA GEMM (Hop
 # A starting point from triton's persistent-matmul tutorial's search space, not yet measured here:
 # benchmarks/tune.py --parts gemm sweeps the candidates at the plan's shapes.
 _TMA_GEMM = TmaGemmConfig(128, 256, 64, 8, 8, 3, True)
+_TMA_GEMM_FP32 = TmaGemmConfig(64, 128, 32, 8, 4, 3, False)  # float32 tiles take twice the shared memory
 
 # Small tiles for the CPU interpreter (tests): fast there and exercise tails.
 INTERPRETER = {
@@ -88,7 +89,7 @@ def config(family: str, arch: int, dtype: str):
     if family == "tma_gemm":
         if arch < 90:
             raise ValueError(f"the TMA GEMM needs sm_90 or later, not sm_{arch}")
-        return _TMA_GEMM
+        return _TMA_GEMM_FP32 if dtype == "fp32" else _TMA_GEMM
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping

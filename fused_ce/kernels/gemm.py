@@ -10,22 +10,32 @@ Operands and C move through tensor descriptors made on the device (TMA): out-of-
 read as zeros and are not written, so no shape needs to divide the tiles; each descriptor's row stride must
 be a multiple of 16 bytes. Accumulation is float32.
 
-Today only a JIT candidate (``jit.gemm``; ``benchmarks/tune.py --parts gemm`` times it against torch.mm at
-the plan's shapes): it joins the AOT build (configs.KERNELS) once it runs at cuBLAS's rate, and then takes
-the row statistics into the logits epilogue. Device-side descriptors need a global scratch buffer per
-program, which the AOT launcher does not allocate yet (it passes triton's scratch pointers as null).
+For the logits (STATS), the epilogue also adds the bias, and writes per row of each stored piece of the
+tile (BLOCK_N columns, or half of them with SPLIT_EPILOGUE) what logit_partials.py would read back from
+it: the max, the sum of exp(z - max) and, for label smoothing, the (class-weighted) sum of the transformed
+stored logits z = softcap(logit_scale * logit). combine_partials.py takes them as they are, and the pass
+that logit_partials makes over the stored logits is gone.
+
+Today only a JIT candidate (``jit.gemm``, ``jit.logits_with_partials``; ``benchmarks/tune.py --parts gemm``
+times them against torch.mm and torch.mm + logit_partials at the plan's shapes): it joins the AOT build
+(configs.KERNELS) and the plan once it runs at cuBLAS's rate. Device-side descriptors need a global scratch
+buffer per program, which the AOT launcher does not allocate yet (it passes triton's scratch pointers as null).
 """
 
 import triton
 import triton.language as tl
 
 from .spec import KernelSpec
+from .tile import softcap_tanh
 
 SPEC = KernelSpec(
     "gemm",
     params=(
-        ("a_ptr", "*T"), ("b_ptr", "*T"), ("c_ptr", "*T"),
-        ("M", "i32"), ("N", "i32"), ("K", "i32"), ("lda", "i64"), ("ldb", "i64"), ("ldc", "i64"),
+        ("a_ptr", "*T"), ("b_ptr", "*T"), ("c_ptr", "*T"), ("bias_ptr", "*T"), ("cw_ptr", "*fp32"),
+        ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"),
+        ("M", "i32"), ("N", "i32"), ("K", "i32"), ("lda", "i64"), ("ldb", "i64"), ("ldc", "i64"), ("segments", "i64"),
+        ("logit_scale", "fp32"), ("softcap", "fp32"),
+        ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
     ),
     family="tma_gemm",
     divisible_by_16=frozenset({"a_ptr", "b_ptr", "c_ptr"}),
@@ -34,12 +44,44 @@ SPEC = KernelSpec(
 
 
 @triton.jit
+def finish_piece(acc, c_desc, off_m, off_n, M, N, bias_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr, segments,
+                 logit_scale, softcap, has_bias, has_class_weight, has_softcap, has_smoothing,
+                 BLOCK_M: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr, STATS: tl.constexpr,
+                 FAST_TANH: tl.constexpr):
+    """One BLOCK_M x COLS piece of an output tile: (+ C | + bias), stored in C's dtype; with STATS, the
+    partial row statistics of the stored values (one segment per piece). The runtime flags select without
+    branching: a branch that yields a tensor inside the flattened tile loop fails triton 3.6's loop fusion."""
+    cols = off_n + tl.arange(0, COLS)
+    if ACCUMULATE:
+        acc += c_desc.load([off_m, off_n]).to(tl.float32)
+    acc += tl.load(bias_ptr + cols, mask=cols < tl.where(has_bias != 0, N, 0), other=0.0).to(tl.float32)[None, :]
+    out = acc.to(c_desc.dtype)
+    c_desc.store([off_m, off_n], out)
+    if STATS:
+        rows = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+        row_mask = rows < tl.where(off_n < N, M, 0)  # a right half wholly past N is no segment
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        z = out.to(tl.float32) * logit_scale  # the stored (rounded) logits, as the later passes read them
+        z = tl.where(has_softcap != 0, softcap * softcap_tanh(z * (1.0 / softcap), FAST_TANH), z)
+        m = tl.max(tl.where(mask, z, float("-inf")), axis=1)
+        m = tl.where(row_mask, m, 0.0)
+        idx = rows * segments + off_n // COLS
+        tl.store(pm_ptr + idx, m, mask=row_mask)
+        tl.store(ps_ptr + idx, tl.sum(tl.where(mask, tl.exp(z - m[:, None]), 0.0), axis=1), mask=row_mask)
+        cw = tl.load(cw_ptr + cols, mask=cols < tl.where(has_class_weight != 0, N, 0), other=1.0).to(tl.float32)
+        smoothing_rows = rows < tl.where((off_n < N) & (has_smoothing != 0), M, 0)
+        tl.store(pw_ptr + idx, tl.sum(tl.where(mask, z * cw[None, :], 0.0), axis=1), mask=smoothing_rows)
+
+
+@triton.jit
 def gemm_kernel(
-    a_ptr, b_ptr, c_ptr,
-    M, N, K, lda, ldb, ldc,
-    A_T: tl.constexpr, B_T: tl.constexpr, ACCUMULATE: tl.constexpr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr,
+    M, N, K, lda, ldb, ldc, segments,
+    logit_scale, softcap,
+    has_bias, has_class_weight, has_softcap, has_smoothing,
+    A_T: tl.constexpr, B_T: tl.constexpr, ACCUMULATE: tl.constexpr, STATS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_EPILOGUE: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr, FAST_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     if A_T:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[lda, 1], block_shape=[BLOCK_K, BLOCK_M])
@@ -75,17 +117,18 @@ def gemm_kernel(
                 b = b_desc.load([off_n, off_k]).T
             else:
                 b = b_desc.load([off_k, off_n])
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
         if SPLIT_EPILOGUE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             left, right = tl.split(halves)
-            if ACCUMULATE:
-                left += c_desc.load([off_m, off_n]).to(tl.float32)
-                right += c_desc.load([off_m, off_n + C_COLS]).to(tl.float32)
-            c_desc.store([off_m, off_n], left.to(c_desc.dtype))
-            c_desc.store([off_m, off_n + C_COLS], right.to(c_desc.dtype))
+            finish_piece(left, c_desc, off_m, off_n, M, N, bias_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr, segments,
+                         logit_scale, softcap, has_bias, has_class_weight, has_softcap, has_smoothing,
+                         BLOCK_M, C_COLS, ACCUMULATE, STATS, FAST_TANH)
+            finish_piece(right, c_desc, off_m, off_n + C_COLS, M, N, bias_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr,
+                         segments, logit_scale, softcap, has_bias, has_class_weight, has_softcap, has_smoothing,
+                         BLOCK_M, C_COLS, ACCUMULATE, STATS, FAST_TANH)
         else:
-            if ACCUMULATE:
-                acc += c_desc.load([off_m, off_n]).to(tl.float32)
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            finish_piece(acc, c_desc, off_m, off_n, M, N, bias_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr, segments,
+                         logit_scale, softcap, has_bias, has_class_weight, has_softcap, has_smoothing,
+                         BLOCK_M, C_COLS, ACCUMULATE, STATS, FAST_TANH)

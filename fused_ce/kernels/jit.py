@@ -5,6 +5,8 @@ a GPU with triton installed. Arguments are passed by the names of each kernel's
 SPEC and checked against it; tiles come from configs.py by the SPEC's family.
 The library itself never imports this module.
 """
+import dataclasses
+
 import torch
 import triton
 
@@ -143,7 +145,6 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
     log_sum is lse - max, both without cancellation). ``config`` tiles the pass over the logits."""
     N, V = logits.shape
     cfg = _config(_logit_partials, logits, config)
-    combine_cfg = _config(_combine_partials, logits, combine_config)
     common = _transform_args(logits, logit_scale, softcap, smoothing)
     segments = triton.cdiv(V, cfg.block)
     partials = torch.empty(3, N, segments, dtype=torch.float32, device=logits.device)
@@ -152,14 +153,19 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
                  pw_ptr=partials[2], N=N, V=V, segments=segments, has_class_weight=int(class_weight is not None),
                  **common),
             **_tile_meta(cfg, logits))
+    return _combine(partials, segments, logits, target, logit_scale, softcap, smoothing, combine_config)
+
+
+def _combine(partials, segments, logits, target, logit_scale, softcap, smoothing, config=None):
+    """combine_partials over [3, N, segments] partials of the stored logits: (lse, gap, log_sum, wz or None)."""
+    N = logits.shape[0]
+    cfg = _config(_combine_partials, logits, config)
+    common = _transform_args(logits, logit_scale, softcap, smoothing)
     stats = torch.empty(4, N, dtype=torch.float32, device=logits.device)
-    common.pop("has_smoothing")
-    _launch(_combine_partials, (triton.cdiv(N, combine_cfg.rows),),
+    _launch(_combine_partials, (triton.cdiv(N, cfg.rows),),
             dict(pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], tgt_ptr=target, lse_ptr=stats[0],
-                 gap_ptr=stats[1], ls_ptr=stats[2], wz_ptr=stats[3], N=N, segments=segments,
-                 has_smoothing=int(smoothing), **common),
-            BLOCK_R=combine_cfg.rows, BLOCK=combine_cfg.block, FAST_TANH=_fast_tanh(logits),
-            num_warps=combine_cfg.num_warps)
+                 gap_ptr=stats[1], ls_ptr=stats[2], wz_ptr=stats[3], N=N, segments=segments, **common),
+            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps)
     return stats[0], stats[1], stats[2], stats[3] if smoothing else None
 
 
@@ -229,10 +235,11 @@ def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, 
     return loss if code == 0 else loss[0]
 
 
-def gemm(a, b, c, *, a_t=False, b_t=False, accumulate=False, config=None, programs=None):
-    """c = op(a) @ op(b), or c += it with ``accumulate`` (gemm.py); op transposes a stored [K, M] a (``a_t``) or
-    a stored [N, K] b (``b_t``). Every operand row-major; c float32 or the inputs' dtype. Returns c."""
+def _tma_gemm(a, b, c, *, a_t=False, b_t=False, accumulate=False, config=None, programs=None, stats=None):
+    """Launches gemm.py: c = op(a) @ op(b) (+ c); ``stats`` the logits epilogue's arguments, else None."""
     cfg = _config(_gemm, a, config)
+    if config is None and a.is_cuda and c.dtype == torch.float32 and a.dtype != torch.float32:
+        cfg = dataclasses.replace(cfg, num_stages=2)  # a float32 C tile takes the third stage's shared memory
     M, K = (a.shape[1], a.shape[0]) if a_t else a.shape
     N = b.shape[0] if b_t else b.shape[1]
     if (b.shape[1] if b_t else b.shape[0]) != K or tuple(c.shape) != (M, N):
@@ -245,9 +252,39 @@ def gemm(a, b, c, *, a_t=False, b_t=False, accumulate=False, config=None, progra
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    epilogue = stats or dict(bias_ptr=a, cw_ptr=c, pm_ptr=c, ps_ptr=c, pw_ptr=c, segments=1, logit_scale=1.0,
+                             softcap=1.0, has_bias=0, has_class_weight=0, has_softcap=0, has_smoothing=0)
     _launch(_gemm, (max(1, min(tiles, programs)),),
-            dict(a_ptr=a, b_ptr=b, c_ptr=c, M=M, N=N, K=K, lda=a.stride(0), ldb=b.stride(0), ldc=c.stride(0)),
-            A_T=a_t, B_T=b_t, ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, SPLIT_EPILOGUE=cfg.split_epilogue, num_warps=cfg.num_warps,
+            dict(a_ptr=a, b_ptr=b, c_ptr=c, M=M, N=N, K=K, lda=a.stride(0), ldb=b.stride(0), ldc=c.stride(0),
+                 **epilogue),
+            A_T=a_t, B_T=b_t, ACCUMULATE=accumulate, STATS=stats is not None, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_EPILOGUE=cfg.split_epilogue,
+            FAST_TANH=_fast_tanh(c), DOT_PRECISION=configs.dot_precision(_DTYPES[a.dtype]), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     return c
+
+
+def gemm(a, b, c, *, a_t=False, b_t=False, accumulate=False, config=None, programs=None):
+    """c = op(a) @ op(b), or c += it with ``accumulate`` (gemm.py); op transposes a stored [K, M] a (``a_t``) or
+    a stored [N, K] b (``b_t``). Every operand row-major; c float32 or the inputs' dtype. Returns c."""
+    return _tma_gemm(a, b, c, a_t=a_t, b_t=b_t, accumulate=accumulate, config=config, programs=programs)
+
+
+def logits_with_partials(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, softcap=None,
+                         smoothing=False, config=None, combine_config=None, programs=None):
+    """stats_from_logits' results, the raw logits x @ w.T + b written by gemm.py, whose epilogue also writes the
+    partial row statistics (no pass of logit_partials): (logits, lse, target_gap, log_sum, weighted_z_sum)."""
+    cfg = _config(_gemm, x, config)
+    N, V = x.shape[0], w.shape[0]
+    logits = torch.empty(N, V, dtype=x.dtype, device=x.device)
+    piece = cfg.block_n // 2 if cfg.split_epilogue else cfg.block_n
+    segments = triton.cdiv(V, piece)
+    partials = torch.empty(3, N, segments, dtype=torch.float32, device=x.device)
+    _tma_gemm(x, w, logits, b_t=True, config=cfg, programs=programs,
+              stats=dict(bias_ptr=_placeholder(x, bias), cw_ptr=_placeholder(partials, class_weight),
+                         pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], segments=segments,
+                         logit_scale=float(logit_scale), softcap=float(softcap or 1.0), has_bias=int(bias is not None),
+                         has_class_weight=int(class_weight is not None), has_softcap=int(softcap is not None),
+                         has_smoothing=int(smoothing)))
+    stats = _combine(partials, segments, logits, target, logit_scale, softcap, smoothing, combine_config)
+    return (logits,) + stats
