@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run every test, benchmark; short table last.
-#   [SKIP_BUILD=1] [SKIP_TESTS=1] [ALONGSIDE=command] [SANITIZE=1|memcheck|racecheck] [FEATURES=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [HF_EXAMPLE=1] \
+#   [SKIP_BUILD=1] [SKIP_TESTS=1] [ALONGSIDE=command] [SANITIZE=1|memcheck|racecheck] [FEATURES=1] [TUNE_GEMM=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [HF_EXAMPLE=1] \
 #   [SKIP_BENCH=1] [WHEEL=1 (dist/*.whl carried: test it instead of building)] \
 #     bash benchmarks/device_run.sh [bench.py arguments]
 # TP (two GPUs; the test suite has the NCCL test): the tensor-parallel example and benchmarks/bench_tp.py.
@@ -98,6 +98,9 @@ fi
 if [ -n "${HF_EXAMPLE:-}" ]; then  # issue 11: the training example at Llama-3's vocabulary, with the largest batches
   timeout "${HF_EXAMPLE_TIMEOUT:-240}" python3 examples/train_causal_lm.py --device cuda --vocab 128256 --seq 4096 \
     --steps "${HF_EXAMPLE_STEPS:-60}" --find-max-batch --out "$OUT" 2>&1 | tee "$OUT/train_causal_lm.log" | tail -8
+fi
+if [ -n "${TUNE_GEMM:-}" ]; then  # issue 13: gemm.py's persistent TMA GEMM against torch at A, B, C
+  python3 benchmarks/tune.py --parts gemm --repeat 10 2>&1 | tee "$OUT/tune_gemm.log" | grep -vE "^\s*$" | tail -90
 fi
 if [ -n "${FEATURES:-}" ]; then
   python3 benchmarks/bench_features.py 2>&1 | tee "$OUT/features.log" | tail -16
