@@ -15,9 +15,7 @@ per row block, one all-reduce of dX), alone, at the same sizes. Rank 0 prints th
 tp.json and tp.png to --out.
 """
 
-import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fused_ce
-from common import SHAPES, cuda_time_ms, environment, make_inputs
+from common import SHAPES, cuda_time_ms, environment, make_inputs, shape_parser
 
 
 def timed(fn, warmup, repeat):
@@ -47,12 +45,7 @@ def workspace_gib(fn, held_bytes):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="A")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    args = parser.parse_args()
+    args = shape_parser(__doc__, repeat=7).parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)

@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(const at::Tensor& input,
                                                         const std::optional<at::Tensor>& weight,
                                                         FUSED_CE_LOSS_OPTION_PARAMS) {
   return vocab_parallel_linear_cross_entropy(input, linear_weight, target, linear_bias, weight,
-                                             FUSED_CE_LOSS_OPTION_ARGS, "", 0, 0, 0);
+                                             FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_NO_SHARD_ARGS);
 }
 
 std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy(

@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(const at::Tenso
                                                                  const std::optional<at::Tensor>& weight,
                                                                  FUSED_CE_LOSS_OPTION_PARAMS) {
   return vocab_parallel_linear_cross_entropy_autograd(input, linear_weight, target, linear_bias, weight,
-                                                      FUSED_CE_LOSS_OPTION_ARGS, "", 0, 0, 0);
+                                                      FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_NO_SHARD_ARGS);
 }
 
 // Autocast: like F.linear, the linear part runs in the autocast dtype (the
@@ -187,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(const at::Tenso
                                                                  const std::optional<at::Tensor>& weight,
                                                                  FUSED_CE_LOSS_OPTION_PARAMS) {
   return vocab_parallel_linear_cross_entropy_autocast<device_type, autocast_key>(
-      input, linear_weight, target, linear_bias, weight, FUSED_CE_LOSS_OPTION_ARGS, "", 0, 0, 0);
+      input, linear_weight, target, linear_bias, weight, FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_NO_SHARD_ARGS);
 }
 
 // What the build embedded: architectures, and one cubin's bytes (for tests).

@@ -28,6 +28,8 @@
 #define FUSED_CE_SHARD_OPTION_PARAMS \
   c10::string_view process_group, int64_t vocab_start, int64_t vocab_size, int64_t max_shard_rows
 #define FUSED_CE_SHARD_OPTION_ARGS process_group, vocab_start, vocab_size, max_shard_rows
+// The shard options' schema defaults: the whole vocabulary on one rank.
+#define FUSED_CE_NO_SHARD_ARGS "", 0, 0, 0
 #define FUSED_CE_OPTION_SCHEMA FUSED_CE_LOSS_OPTION_SCHEMA ", " FUSED_CE_SHARD_OPTION_SCHEMA
 #define FUSED_CE_OPTION_PARAMS FUSED_CE_LOSS_OPTION_PARAMS, FUSED_CE_SHARD_OPTION_PARAMS
 #define FUSED_CE_OPTION_ARGS FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_SHARD_OPTION_ARGS
