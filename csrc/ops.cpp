@@ -13,6 +13,7 @@
 #include "format.h"
 #include "kernel_table.h"
 #include "loss.h"
+#include "plan.h"
 
 namespace fused_ce {
 namespace {
@@ -62,7 +63,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     ctx->saved_data["options"] = o.to_ivalue();
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor loss, lse;
-    if (o.scalar()) {
+    const bool grads_in_forward = gradients_in_forward(input.scalar_type(), o);
+    ctx->saved_data["grads_in_forward"] = grads_in_forward;
+    if (grads_in_forward) {
       static auto op =
           op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
       auto [l, s, gx, gw, gb] = op.call(input, linear_weight, target, linear_bias, weight, needs, FUSED_CE_OPTION_ARGS);
@@ -99,7 +102,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       return out;
     };
     const LossOptions o = LossOptions::from_ivalue(ctx->saved_data["options"]);
-    if (o.scalar() && !grad_lse.defined()) {
+    if (ctx->saved_data["grads_in_forward"].toBool() && !grad_lse.defined()) {
       std::vector<at::Tensor> list;
       auto precomputed = ctx->saved_data.find("grads");
       if (precomputed != ctx->saved_data.end()) {

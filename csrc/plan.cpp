@@ -202,6 +202,10 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass) {
   return plan;
 }
 
+bool gradients_in_forward(at::ScalarType input_dtype, const LossOptions& o) {
+  return o.scalar() && input_dtype != at::kHalf;
+}
+
 const char* strategy_name(Strategy s) {
   switch (s) {
     case Strategy::AtenChunks: return "aten_chunks";

@@ -56,6 +56,17 @@ struct Plan {
 
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass);
 
+// Whether the autograd formula computes a scalar loss's gradients in its forward
+// (Pass::ForwardWithGrad, for an upstream gradient of 1, scaled in the backward)
+// instead of in its backward (Pass::Backward, the upstream gradient in the
+// coefficients, as torch's cross-entropy has it). Not for float16: at unit scale
+// the logit gradients of a mean over N rows (~p / N) fall below float16's
+// smallest subnormal (6e-8) at N = 16384, V = 128256, before a loss scaler's
+// factor (torch.amp.GradScaler) could lift them, so dW's rows for all but the
+// target classes would come out zero. On CUDA its forward with gradient took
+// the 8NDV tl.dot path anyway, as the two passes do.
+bool gradients_in_forward(at::ScalarType input_dtype, const LossOptions& o);
+
 const char* strategy_name(Strategy s);
 Pass parse_pass(c10::string_view name);
 

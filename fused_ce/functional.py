@@ -173,7 +173,8 @@ def plan(
     """The plan :func:`linear_cross_entropy` follows for these arguments (its keywords), without running it.
 
     ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
-    gradients, else "forward"; a per-row loss or a gradient through the lse also runs "backward" later.
+    gradients (but for float16 inputs), else "forward"; a per-row loss, a float16 scalar loss or a gradient
+    through the lse also runs "backward" later.
     The plan depends on shapes, dtypes, strides and device, not on values: expanded tensors serve.
     """
     keywords.pop("options", None)
@@ -198,7 +199,9 @@ def plan(
         differentiable = torch.is_grad_enabled() and (
             input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        pass_ = "forward_with_grad" if differentiable and keywords.get("reduction", "mean") != "none" else "forward"
+        # csrc/plan.h, gradients_in_forward: float16's gradients wait for the upstream gradient
+        in_forward = keywords.get("reduction", "mean") != "none" and input.dtype != torch.float16
+        pass_ = "forward_with_grad" if differentiable and in_forward else "forward"
     fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, **keywords)
     values = [_DTYPES.get(v) if name.endswith("dtype") else v for name, v in zip(Plan._fields, fields)]
     return Plan(*values)

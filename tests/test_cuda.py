@@ -46,8 +46,10 @@ def test_executors_follow_the_plan(dtype, aligned):
     stored = "dot_tiles" if dtype == torch.float16 else "stored_logits"
     runs = {  # name: (passes and their expected strategies, the call)
         "loss only": ([("forward", stored)], lambda: fused_ce.linear_cross_entropy(x.detach(), w.detach(), t)),
-        "scalar loss, backward": (
-            [("forward_with_grad", stored)],
+        "scalar loss, backward": (  # float16: the upstream gradient reaches the coefficients (plan.h)
+            [("forward", stored), ("backward", "dot_tiles")]
+            if dtype == torch.float16
+            else [("forward_with_grad", stored)],
             lambda: fused_ce.linear_cross_entropy(x, w, t).backward(),
         ),
         "per-row loss, backward": (

@@ -115,6 +115,31 @@ def test_float16_logits_beyond_float16_range(device):
     assert rel_err(xl.grad, xr.grad) < 1e-2 and rel_err(wl.grad, wr.grad) < 1e-2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_gradients_under_a_loss_scale(device):
+    # Mixed precision in float16 scales the loss (torch.amp.GradScaler) so that gradients ~ p / N stay
+    # above float16's smallest subnormal. Gradients formed at unit scale in the forward would lose them
+    # before the scale arrives (dW's rows for all but the target classes zero on CUDA, dX 9x torch's error
+    # on CPU): float16 takes the recomputing backward, whose coefficients carry the upstream gradient.
+    N, D, V = (16384, 64, 2000) if device == "cpu" else (16384, 256, 32000)
+    x, w, t, _ = make_problem(N, D, V, device=device, dtype=torch.float16)
+    scale = 1024.0  # small enough that dW (~ scale * |x|) stays finite in float16
+    assert fused_ce.plan(*leaves(x, w), t).pass_ == "forward"
+    xr, wr = leaves(x.double(), w.double())
+    (reference_loss(xr, wr, t) * scale).backward()
+    errors = {}
+    for name, loss_fn in {
+        "fused_ce": lambda xl, wl: fused_ce.linear_cross_entropy(xl, wl, t),
+        "torch": lambda xl, wl: torch.nn.functional.cross_entropy(xl @ wl.T, t),
+    }.items():
+        xl, wl = leaves(x, w)
+        (loss_fn(xl, wl) * scale).backward()
+        assert torch.isfinite(xl.grad).all() and torch.isfinite(wl.grad).all(), name
+        errors[name] = (rel_err(xl.grad, xr.grad), rel_err(wl.grad, wr.grad))
+    assert errors["fused_ce"][0] <= 1.5 * errors["torch"][0] + 1e-4, errors
+    assert errors["fused_ce"][1] <= 1.5 * errors["torch"][1] + 1e-4, errors
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_dtypes(device, dtype):
