@@ -231,10 +231,133 @@ def tune_gemm(shape, warmup, repeat):
     return rows_out
 
 
+def block_step(x, w, t, rows, buffers, grad, overlap):
+    """One step of the stored-logits pipeline from JIT kernels: per row block the cuBLAS logits, then
+    logit_partials + combine_partials (+ softmax_grad and the dX and dW GEMMs with ``grad``), in `buffers`
+    logit buffers of `rows` rows. With ``overlap`` the passes over block i run on a second stream while the
+    main stream runs the logits GEMM of block i+1 (and, with ``grad``, before the dX and dW GEMMs of block i,
+    which wait for them through an event): lead 1 of issue 13. Returns the step (a callable) and the lse
+    and dX it leaves (to check that the two orders agree)."""
+    from fused_ce.kernels import jit
+
+    N, V = x.shape[0], w.shape[0]
+    bufs = [torch.empty(rows, V, dtype=x.dtype, device="cuda") for _ in range(buffers)]
+    zeros = torch.zeros(N, device="cuda")
+    alpha = torch.full((N,), 1.0 / N, device="cuda")
+    dx, dw, lse_all = torch.empty_like(x), torch.empty_like(w), torch.empty(N, device="cuda")
+    side = torch.cuda.Stream()
+    starts = list(range(0, N, rows))
+
+    def passes(i):  # the passes over block i, on the current stream
+        r0, r1 = starts[i], min(N, starts[i] + rows)
+        block, tb = bufs[i % buffers][: r1 - r0], t[r0:r1]
+        lse = jit.stats_from_logits(block, tb)[0]
+        lse_all[r0:r1].copy_(lse)
+        if grad:
+            jit.softmax_grad(block, tb, lse, alpha[r0:r1], zeros[r0:r1], alpha[r0:r1], zeros[r0:r1])
+
+    def products(i):  # the gradient GEMMs of block i
+        r0, r1 = starts[i], min(N, starts[i] + rows)
+        block = bufs[i % buffers][: r1 - r0]
+        torch.mm(block, w, out=dx[r0:r1])
+        if i == 0:
+            torch.mm(block.T, x[r0:r1], out=dw)
+        else:
+            dw.addmm_(block.T, x[r0:r1])
+
+    def logits(i):
+        r0, r1 = starts[i], min(N, starts[i] + rows)
+        torch.mm(x[r0:r1], w.T, out=bufs[i % buffers][: r1 - r0])
+
+    def serial():
+        for i in range(len(starts)):
+            logits(i)
+            passes(i)
+            if grad:
+                products(i)
+
+    def overlapped():
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        done = {}
+
+        def issue(i):  # block i's logits on main, its passes on the side stream once they are written
+            if i >= buffers and not grad:  # the buffer's previous block's passes must be done
+                main.wait_event(done[i - buffers])
+            logits(i)
+            written = torch.cuda.Event()
+            written.record(main)
+            side.wait_event(written)
+            with torch.cuda.stream(side):
+                passes(i)
+                done[i] = torch.cuda.Event()
+                done[i].record(side)
+
+        issue(0)
+        for i in range(len(starts)):
+            if i + 1 < len(starts):
+                issue(i + 1)
+            if grad:
+                main.wait_event(done[i])
+                products(i)
+        main.wait_stream(side)
+
+    return (overlapped if overlap else serial), (lse_all, dx)
+
+
+def tune_overlap(shape, warmup, repeat):
+    """The step at the plan's block rows R, serial, against the same step with the passes on a second stream:
+    two buffers of R/2 rows (the same workspace) and of R rows (twice it); with and without the gradient."""
+    import fused_ce
+
+    N, D, V = SHAPES[shape]
+    x, w, t = make_inputs(N, D, V, "cuda")
+    R = fused_ce.plan(x.requires_grad_(), w, t).block_rows
+    x = x.detach()
+    t = torch.where(t < 0, -1, t)
+    half = max(128, R // 2 // 128 * 128)
+    variants = {  # name: (rows, buffers, overlap)
+        f"serial, 1 x {R} rows": (R, 1, False),
+        f"serial, 1 x {half} rows": (half, 1, False),
+        f"overlap, 2 x {half} rows": (half, 2, True),
+        f"overlap, 2 x {R} rows": (R, 2, True),
+    }
+    out = []
+    for grad in (False, True):
+        steps, outputs = {}, {}
+        for name, (rows, buffers, overlap) in variants.items():
+            steps[name], outputs[name] = block_step(x, w, t, rows, buffers, grad, overlap)
+            steps[name]()
+        torch.cuda.synchronize()
+        base = next(iter(outputs.values()))
+        checked = 2 if grad else 1  # lse, and dX with the gradient
+        errors = {
+            name: max((a.float() - b.float()).abs().max().item() for a, b in zip(v[:checked], base[:checked]))
+            for name, v in outputs.items()
+        }
+        medians = interleaved_ms(steps, warmup, repeat)
+        first = next(iter(medians.values()))
+        for name, ms in medians.items():
+            out.append(
+                dict(
+                    kernel="overlap",
+                    shape=shape,
+                    grad=grad,
+                    variant=name,
+                    ms=ms,
+                    of_serial=first / ms,
+                    max_diff=errors[name],
+                )
+            )
+        del steps, outputs
+        torch.cuda.empty_cache()
+    return out
+
+
 def main():
     parser = shape_parser(__doc__, repeat=5)
-    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: gemm")
-    parser.add_argument("--gemm-shapes", default="A,B,C", help="shapes of the gemm part")
+    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: gemm, overlap")
+    parser.add_argument("--gemm-shapes", default="A,B,C", help="shapes of the gemm and overlap parts")
     args = parser.parse_args()
     parts = args.parts.split(",")
     N, D, V = SHAPES[args.shape]
@@ -260,6 +383,16 @@ def main():
             print(
                 f"  {str(r['config']):14s} write_grad={int(r['write_grad'])}  {r['ms']:.3f} ms  "
                 f"{r['tb_per_s']:.2f} TB/s"
+            )
+    if "overlap" in parts:
+        result["overlap"] = [
+            r for shape in args.gemm_shapes.split(",") for r in tune_overlap(shape, args.warmup, args.repeat)
+        ]
+        print("the stored-logits step with its passes on a second stream (JIT kernels; x: serial / this):")
+        for r in result["overlap"]:
+            print(
+                f"  {r['shape']} {'fwd+bwd' if r['grad'] else 'loss only':9s} {r['variant']:28s} {r['ms']:8.2f} ms"
+                f"  {r['of_serial']:.3f}x  lse/dX max diff from serial {r['max_diff']:.1e}"
             )
     if "gemm" in parts:
         result["gemm"] = [
