@@ -3,8 +3,9 @@
     python benchmarks/bench.py                 # shapes A, B, C and an N sweep, every installed peer
     python benchmarks/bench.py --quick         # fewer repeats, smaller sweep
     python benchmarks/bench.py --shapes A --methods fused_ce,torch.compile
+    python benchmarks/bench.py --dtype float16  # the same in float16
 
-Workload (issue 3): bf16 input ~ N(0, 1) and weight ~ N(0, 1/D), int64 targets
+Workload (issue 3): bf16 (or --dtype) input ~ N(0, 1) and weight ~ N(0, 1/D), int64 targets
 with 10% ignore_index, mean loss; time of forward + backward, median of timed
 runs after warm-up (CUDA events). Workspace = peak allocated during fwd+bwd
 minus the inputs minus the gradients. Errors are relative norm errors against a
@@ -153,7 +154,7 @@ def run(args):
     if sweep_n:
         shapes += [(f"A@N={n}", n, SHAPES["A"][1], SHAPES["A"][2]) for n in sweep_n if n != SHAPES["A"][0]]
     for name, N, D, V in shapes:
-        x, w, t = make_inputs(N, D, V, device)
+        x, w, t = make_inputs(N, D, V, device, dtype=getattr(torch, args.dtype))
         if first_call is None and "fused_ce" in methods:
             first_call = first_call_ms(x, w, t)
         ref = reference(x, w, t)
@@ -199,8 +200,8 @@ def run(args):
     return rows, first_call
 
 
-def print_table(rows, first_call, env):
-    print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}")
+def print_table(rows, first_call, env, dtype):
+    print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}, {dtype}")
     if first_call:
         print(
             f"fused_ce fwd+bwd: first call after import {first_call[0]:.1f} ms, warm {first_call[1]:.1f} ms "
@@ -229,7 +230,7 @@ def print_table(rows, first_call, env):
         )
 
 
-def plot(rows, path):
+def plot(rows, path, dtype):
     try:
         import matplotlib
 
@@ -248,7 +249,7 @@ def plot(rows, path):
         ax_m.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=method)
     floor = sorted({(r["N"], r["floor_ms"]) for r in sweep})
     ax_t.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="6NDV floor")
-    ax_t.set(xlabel="N (tokens)", ylabel="fwd+bwd ms", title="D=4096, V=128256, bf16", xscale="log", yscale="log")
+    ax_t.set(xlabel="N (tokens)", ylabel="fwd+bwd ms", title=f"D=4096, V=128256, {dtype}", xscale="log", yscale="log")
     ax_m.set(
         xlabel="N (tokens)", ylabel="workspace GiB", title="peak beyond inputs and grads", xscale="log", yscale="symlog"
     )
@@ -268,6 +269,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="warmup 1, repeat 5")
     parser.add_argument("--eager-big", action="store_true", help="also run torch eager when N*V > 2^31")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.quick:
@@ -278,9 +280,10 @@ def main():
     env = environment()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(dict(env=env, first_call_ms=first_call, rows=rows), indent=1))
-    plot(rows, out / "bench.png")
-    print_table(rows, first_call, env)
+    result = dict(env=env, dtype=args.dtype, first_call_ms=first_call, rows=rows)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / "bench.png", args.dtype)
+    print_table(rows, first_call, env, args.dtype)
 
 
 if __name__ == "__main__":

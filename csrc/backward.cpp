@@ -29,19 +29,25 @@ bool float32_accumulating_addmm(const at::Tensor& out, const at::Tensor& a, cons
 
 }  // namespace
 
-void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha) {
   if (out.scalar_type() == a.scalar_type()) {
     if (accumulate) {
-      out.addmm_(a, b);
-    } else {
+      out.addmm_(a, b, /*beta=*/1, alpha);
+    } else if (alpha == 1) {
       at::mm_out(out, a, b);
+    } else {
+      at::addmm_out(out, out, a, b, /*beta=*/0, alpha);  // beta 0: out's contents are not read
     }
   } else if (out.is_cuda() && out.scalar_type() == at::kFloat && float32_accumulating_addmm(out, a, b)) {
-    at::addmm_out(out, out, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0);
-  } else if (accumulate) {
-    out.add_(at::mm(a, b));
+    at::addmm_out(out, out, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0, alpha);
   } else {
-    out.copy_(at::mm(a, b));
+    // a product in out's dtype: float16's, of gradient blocks at Plan::grad_scale, could overflow
+    const at::Tensor product = at::mm(a.to(out.scalar_type()), b.to(out.scalar_type()));
+    if (accumulate) {
+      out.add_(product, alpha);
+    } else {
+      at::mul_out(out, product, alpha);
+    }
   }
 }
 

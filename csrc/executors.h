@@ -38,11 +38,14 @@ std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions
 // The gradients asked for (the bias's only with a bias), uninitialised but for
 // those that accumulate from zero.
 Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need);
-// raw logits x @ w.T + b of the rows of `p` into `out` (cuBLAS)
-void logits_into(const Problem& p, at::Tensor& out);
+// raw logits (x @ w.T + b) * scale of the rows of `p` into `out` (cuBLAS)
+void logits_into(const Problem& p, at::Tensor& out, double scale = 1.0);
+// p as the kernels over logits stored at plan.logits_scale see it (logit_scale / logits_scale).
+Problem reading_stored_logits(const Problem& p, const Plan& plan);
 // Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass).
 RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows);
-// out (+)= a @ b, accumulating in out's dtype.
-void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate);
+// out (+)= alpha * a @ b, accumulating in out's dtype (a float32 out from float16 or bfloat16 a and b: cuBLAS's
+// float32 output where torch has it).
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha = 1.0);
 
 }  // namespace fused_ce

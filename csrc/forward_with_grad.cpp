@@ -33,6 +33,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   const bool stored_logits = plan.strategy == Strategy::StoredLogits;
   const auto dtype = loss_dtype(p);
   const auto gemm_dtype = plan.logits_dtype;
+  const double unscale = 1.0 / plan.grad_scale;  // the gradient blocks' scale, divided out by the GEMMs
   Grads g = allocate_grads(p, plan, need);
   // With rank-one smoothing the kernel leaves out its terms:
   // dX -= logit_scale * gamma (x) u, dW -= logit_scale * cw (x) (x.T @ gamma),
@@ -53,15 +54,16 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   }
   const int64_t rows = plan.block_rows;
   at::Tensor logits_buffer = stored_logits ? at::empty({rows, p.V}, p.x.options().dtype(gemm_dtype)) : at::Tensor();
+  const Problem stored = reading_stored_logits(p, plan);
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
-    const Problem pr = p.rows(r0, r1);
+    const Problem pr = stored.rows(r0, r1);
     const GradCoefficients cr = c.rows(r0, r1);
     const RowStats block_stats = s.rows(r0, r1);
     at::Tensor block;
     if (stored_logits) {
       block = logits_buffer.narrow(0, 0, r1 - r0);
-      logits_into(pr, block);
+      logits_into(pr, block, plan.logits_scale);
       cuda_stats_from_logits(pr, block, block_stats, smoothing_in_kernel);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
       cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
@@ -83,11 +85,11 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       if (rank_one) {
         at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), block, w);
       } else {
-        gemm_into(gx, block, w, /*accumulate=*/false);
+        gemm_into(gx, block, w, /*accumulate=*/false, unscale);
       }
     }
-    if (need[1]) gemm_into(g.weight, block.t(), x.narrow(0, r0, r1 - r0), r0 > 0 || rank_one);
-    if (need[2]) g.bias.add_(block.sum(0, false, dtype));
+    if (need[1]) gemm_into(g.weight, block.t(), x.narrow(0, r0, r1 - r0), r0 > 0 || rank_one, unscale);
+    if (need[2]) g.bias.add_(block.sum(0, false, dtype), unscale);
   }
   return {s, g};
 }
@@ -121,28 +123,22 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
   return {s, g};
 }
 
-// DotTiles (float16): the loss-only forward's tl.dot row stats, then the
-// recomputing backward's blocks, on the rows prepared once.
-std::pair<RowStats, Grads> dot_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
-                                     const GradCoefficients& c, GradMask need) {
-  const RowStats s = cuda_row_stats(p, o.smoothing());
-  if (o.vocab_parallel()) combine_vocab_shards(p, s, o);
-  GradCoefficients with_lse = c;
-  with_lse.lse = s.lse;
-  return {s, recomputed_grads(p, plan, with_lse, need)};
-}
-
 }  // namespace
 
 std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions& o, const Plan& plan,
                                              const GradCoefficients& unit, GradMask need) {
   need[2] = need[2] && p.bias.defined();
+  // The kernels multiply the gradient by logit_scale / logits_scale (reading_stored_logits): so the
+  // coefficients take grad_scale * logits_scale for gradient blocks at grad_scale.
+  const double coefficient_scale = plan.grad_scale * plan.logits_scale;
+  const GradCoefficients c = coefficient_scale == 1.0 ? unit : unit.scaled(coefficient_scale);
   switch (plan.strategy) {
     case Strategy::StoredLogits:
-    case Strategy::AtenChunks: return row_blocks(p, o, plan, unit, need);
-    case Strategy::VocabTiles: return vocab_tiles(p, o, plan, unit, need);
-    case Strategy::DotTiles: return dot_tiles(p, o, plan, unit, need);
+    case Strategy::AtenChunks: return row_blocks(p, o, plan, c, need);
+    case Strategy::VocabTiles: return vocab_tiles(p, o, plan, c, need);
+    case Strategy::DotTiles: break;
   }
+  TORCH_CHECK(false, "fused_ce: the forward with gradient has no executor for strategy ", strategy_name(plan.strategy));
   return {};
 }
 

@@ -16,12 +16,13 @@ at::Tensor no_grad(const Problem& p) {
   return at::empty({0}, p.x.options());
 }
 
-// The executors' 2-D gradients in the shapes and dtypes of the arguments.
+// The executors' 2-D gradients in the shapes and dtypes of the arguments; with `keep_dtypes`, in their own.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> shaped_grads(const Problem& p, const Grads& g, const at::Tensor& input,
-                                                            const at::Tensor& linear_weight) {
-  return {g.input.defined() ? g.input.to(input.scalar_type()).reshape(input.sizes()) : no_grad(p),
-          g.weight.defined() ? g.weight.to(linear_weight.scalar_type()) : no_grad(p),
-          g.bias.defined() ? g.bias.to(p.bias.scalar_type()) : no_grad(p)};
+                                                            const at::Tensor& linear_weight, bool keep_dtypes = false) {
+  const auto to = [&](const at::Tensor& t, at::ScalarType dtype) { return keep_dtypes ? t : t.to(dtype); };
+  return {g.input.defined() ? to(g.input, input.scalar_type()).reshape(input.sizes()) : no_grad(p),
+          g.weight.defined() ? to(g.weight, linear_weight.scalar_type()) : no_grad(p),
+          g.bias.defined() ? to(g.bias, p.bias.scalar_type()) : no_grad(p)};
 }
 
 // A loss computed under CUDA graph capture with bad class indices (Problem::unreported_bad_targets) is NaN.
@@ -83,12 +84,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   GradCoefficients unit;
   prepare_targets(p, o, plan, /*check=*/true, &unit);
   const auto [s, g] = forward_with_grad(vocab_shard(p, o), o, plan, unit, output_mask);
-  const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight);
+  // float16's come back in float32 (loss.h): at unit scale, before the upstream gradient, float16 would
+  // lose them to underflow.
+  const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight, input.scalar_type() == at::kHalf);
   return {flag_bad_targets(p, assemble_loss(p, o, plan, s, target.sizes())), s.lse.reshape(target.sizes()), gx, gw, gb};
 }
 
-std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, std::string, std::string, bool, bool,
-           int64_t, int64_t>
+std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, double, std::string, std::string, double,
+           bool, bool, int64_t, int64_t>
 plan_of(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, c10::string_view pass,
         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
   const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
@@ -100,8 +103,10 @@ plan_of(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tens
           plan.tile_cols,
           plan.stats_block_rows,
           dtype_name(plan.logits_dtype),
+          plan.logits_scale,
           dtype_name(plan.grad_input_dtype),
           dtype_name(plan.grad_weight_dtype),
+          plan.grad_scale,
           plan.rank_one_smoothing,
           plan.rows_on_device,
           plan.budget_bytes,

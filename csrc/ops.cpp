@@ -13,7 +13,6 @@
 #include "format.h"
 #include "kernel_table.h"
 #include "loss.h"
-#include "plan.h"
 
 namespace fused_ce {
 namespace {
@@ -63,9 +62,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     ctx->saved_data["options"] = o.to_ivalue();
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor loss, lse;
-    const bool grads_in_forward = gradients_in_forward(input.scalar_type(), o);
-    ctx->saved_data["grads_in_forward"] = grads_in_forward;
-    if (grads_in_forward) {
+    if (o.scalar()) {
       static auto op =
           op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
       auto [l, s, gx, gw, gb] = op.call(input, linear_weight, target, linear_bias, weight, needs, FUSED_CE_OPTION_ARGS);
@@ -102,7 +99,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       return out;
     };
     const LossOptions o = LossOptions::from_ivalue(ctx->saved_data["options"]);
-    if (ctx->saved_data["grads_in_forward"].toBool() && !grad_lse.defined()) {
+    if (o.scalar() && !grad_lse.defined()) {
       std::vector<at::Tensor> list;
       auto precomputed = ctx->saved_data.find("grads");
       if (precomputed != ctx->saved_data.end()) {
@@ -121,8 +118,16 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       }
       if (!grad_loss.defined()) grad_loss = at::zeros({}, lse.options());
       static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
+      const at::Tensor* arguments[3] = {&saved[0], &saved[1], &saved[3]};
       for (int i = 0; i < 3; ++i) {
-        if (mask[i]) scale_op.call(list[i], grad_loss);
+        if (!mask[i]) continue;
+        const auto dtype = arguments[i]->scalar_type();
+        if (list[i].scalar_type() == dtype) {
+          scale_op.call(list[i], grad_loss);
+        } else {  // float16's float32 gradients (loss.h): scaled, then rounded once
+          at::Tensor rounded = at::empty_like(list[i], list[i].options().dtype(dtype));
+          list[i] = at::mul_out(rounded, list[i], grad_loss);
+        }
       }
       return result(list[0], list[1], list[2]);
     }
@@ -243,8 +248,8 @@ TORCH_LIBRARY(fused_ce, m) {
       "_plan(Tensor input, Tensor linear_weight, Tensor target, str pass_, Tensor? linear_bias=None, "
       "Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA
       ") -> (str pass_, str strategy, int block_rows, int tile_cols, int stats_block_rows, str logits_dtype, "
-      "str grad_input_dtype, str grad_weight_dtype, bool rank_one_smoothing, bool rows_on_device, int budget_bytes, "
-      "int workspace_bytes)",
+      "float logits_scale, str grad_input_dtype, str grad_weight_dtype, float grad_scale, bool rank_one_smoothing, "
+      "bool rows_on_device, int budget_bytes, int workspace_bytes)",
       &plan_of);
   m.def("_embedded_archs() -> int[]", &embedded_archs);
   m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);

@@ -1,6 +1,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "cuda_driver.h"
@@ -59,11 +60,22 @@ int64_t balanced_block_rows(int64_t N, int64_t capacity, int64_t tile_rows) {
   return cdiv(rows, quantum) * quantum;  // <= limit
 }
 
-// Rows of stored logits that fit in the budget; 0 for float16, whose stored
-// logits could overflow.
+// Rows of stored logits that fit in the budget.
 int64_t stored_logits_rows(const Problem& p, int64_t budget) {
-  if (p.x.scalar_type() == at::kHalf) return 0;
   return std::clamp<int64_t>(budget / cuda_logits_row_bytes(p), 1, std::max<int64_t>(p.N, 1));
+}
+
+// Plan::logits_scale of float16's stored logits.
+constexpr double kFloat16LogitsScale = 1.0 / 256;
+
+// Plan::grad_scale for float16 gradient blocks: a power of two s with s * |g| < 65504 for every logit
+// gradient g of a scalar loss at unit scale. |g| <= c * (1 + 2 z |lse|) plus smoothing's smaller term,
+// where the row's coefficient c is at most 1 for 'mean' (its class weight over the sum of all counted
+// rows' ones) and for 'sum' without class weights; 2^14 leaves room for the z-loss term up to |lse| = 100.
+// 'sum' with class weights has c = the weight itself, unbounded: unit scale.
+double float16_grad_scale(const Problem& p, const LossOptions& o) {
+  if (o.reduction == Reduction::Sum && p.class_weight.defined()) return 1.0;
+  return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(1.0 + 200.0 * o.z_loss))));
 }
 
 // Blocks of whole vocabulary rows re-read and re-write dW once per block beyond
@@ -121,14 +133,14 @@ void plan_dot_tile_grads(Plan& plan, const Problem& p) {
 
 void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
   const ArchConstants& arch = arch_constants(device_arch(p.x.device().index()));
+  const bool half = p.x.scalar_type() == at::kHalf;
   plan.rows_on_device = true;
   plan.logits_dtype = p.x.scalar_type();
   const int64_t capacity = stored_logits_rows(p, plan.budget_bytes);
   const int64_t row_bytes = cuda_logits_row_bytes(p);
-  const bool rank_one = o.smoothing() && p.class_weight.defined() && !p.softcap.has_value();
-  if (plan.pass == Pass::Backward || (plan.pass == Pass::ForwardWithGrad && capacity == 0)) {
-    // The forward with gradient of float16: the loss-only forward's tl.dot row
-    // stats, then this, on the same prepared rows.
+  // (Its rank-one gradient terms are added at unit scale: not to float16's scaled gradient blocks.)
+  const bool rank_one = o.smoothing() && p.class_weight.defined() && !p.softcap.has_value() && !half;
+  if (plan.pass == Pass::Backward) {
     plan.strategy = Strategy::DotTiles;
     plan_dot_tile_grads(plan, p);
     return;
@@ -136,6 +148,7 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
   if (plan.pass == Pass::Forward) {
     if (capacity >= arch.min_stored_rows || capacity == p.N) {
       plan.strategy = Strategy::StoredLogits;
+      plan.logits_scale = half ? kFloat16LogitsScale : 1.0;
       plan.block_rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
       plan.tile_cols = p.V;
       plan.rank_one_smoothing = rank_one;
@@ -148,7 +161,8 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
     return;
   }
   const int64_t rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
-  const int64_t cols = vocab_tile_cols(p, arch, plan.budget_bytes, rows);
+  // (2-D tiles are not taught float16's scales.)
+  const int64_t cols = half ? 0 : vocab_tile_cols(p, arch, plan.budget_bytes, rows);
   plan.rank_one_smoothing = rank_one;
   // Each row's dX is written once. dW accumulates across row blocks: in the
   // input dtype (each block's sum rounded once more) up to
@@ -166,6 +180,7 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
         std::max(rows * row_bytes, plan.block_rows * cols * int64_t{c10::elementSize(p.x.scalar_type())});
   } else {
     plan.strategy = Strategy::StoredLogits;
+    plan.logits_scale = half ? kFloat16LogitsScale : 1.0;
     plan.block_rows = rows;
     plan.tile_cols = p.V;
     plan.workspace_bytes = rows * row_bytes;
@@ -177,6 +192,10 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
   plan.grad_weight_dtype = cdiv(p.N, plan.block_rows) > kInputDtypeAccumulations && !lean
                                ? at::promote_types(plan.logits_dtype, at::kFloat)
                                : plan.logits_dtype;
+  if (half) {  // gradient blocks at a scale, float32 gradients (Plan::grad_scale)
+    plan.grad_scale = float16_grad_scale(p, o);
+    plan.grad_input_dtype = plan.grad_weight_dtype = at::kFloat;
+  }
 }
 
 }  // namespace
@@ -200,10 +219,6 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass) {
     plan_aten_chunks(plan, p);
   }
   return plan;
-}
-
-bool gradients_in_forward(at::ScalarType input_dtype, const LossOptions& o) {
-  return o.scalar() && input_dtype != at::kHalf;
 }
 
 const char* strategy_name(Strategy s) {

@@ -21,11 +21,11 @@ enum class Strategy {
   AtenChunks,
   // cuBLAS writes blocks of whole vocabulary rows of logits; tile kernels reduce
   // them (logit_partials, combine_partials) and, with the gradient, turn them
-  // into it in place (softmax_grad); cuBLAS multiplies that back.
+  // into it in place (softmax_grad); cuBLAS multiplies that back. float16's
+  // logits are stored times Plan::logits_scale, so that they do not overflow.
   StoredLogits,
   // Logit tiles from tl.dot reduced in registers (row_stats) or turned into
-  // gradient blocks (logit_grad): nothing stored in the input dtype (float16,
-  // whose stored logits could overflow), or no room for cuBLAS-sized blocks.
+  // gradient blocks (logit_grad): no room for cuBLAS-sized blocks.
   DotTiles,
   // Lean workspaces, forward with gradient: a stored-logits stats pass, then
   // 2-D tiles (block_rows x tile_cols) of recomputed logits turned into their
@@ -41,9 +41,19 @@ struct Plan {
   int64_t tile_cols = 0;                     // vocabulary columns per block (V: whole rows)
   int64_t stats_block_rows = 0;              // VocabTiles: rows per block of its stats pass; else 0
   at::ScalarType logits_dtype = at::kFloat;  // of the logit blocks and the GEMMs on them
+  // The stored logits are the logits times this (cuBLAS's alpha): 2^-8 for float16, so that they overflow only
+  // past 65504 * 2^8 = 1.7e7 instead of 65504 (relative precision unchanged; absolute error below 2^-16).
+  // The kernels that read them multiply by its inverse along with logit_scale. 1 elsewhere.
+  double logits_scale = 1.0;
   // Dtypes the gradients accumulate in across blocks (Undefined for the loss-only forward).
   at::ScalarType grad_input_dtype = at::ScalarType::Undefined;
   at::ScalarType grad_weight_dtype = at::ScalarType::Undefined;
+  // A scalar loss's float16 gradient blocks hold the logit gradients times this power of two: at unit scale
+  // (~p / N, 5e-10 at N = 16384, V = 128256) they would fall below float16's smallest subnormal before a
+  // loss scaler's factor (torch.amp.GradScaler) could reach them. The coefficients are multiplied by it
+  // (and by logits_scale), the dX and dW GEMMs divide it out (alpha) into float32 gradients, which the
+  // backward multiplies by the upstream gradient with one rounding to float16. 1 elsewhere.
+  double grad_scale = 1.0;
   // Label smoothing with class weights and no softcap: each row's weighted logit
   // sum comes from u = w.T @ cw (two GEMVs) instead of a class-weight load per
   // logit, which costs several % at V = 128K; with the gradient in the forward
@@ -55,17 +65,6 @@ struct Plan {
 };
 
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass);
-
-// Whether the autograd formula computes a scalar loss's gradients in its forward
-// (Pass::ForwardWithGrad, for an upstream gradient of 1, scaled in the backward)
-// instead of in its backward (Pass::Backward, the upstream gradient in the
-// coefficients, as torch's cross-entropy has it). Not for float16: at unit scale
-// the logit gradients of a mean over N rows (~p / N) fall below float16's
-// smallest subnormal (6e-8) at N = 16384, V = 128256, before a loss scaler's
-// factor (torch.amp.GradScaler) could lift them, so dW's rows for all but the
-// target classes would come out zero. On CUDA its forward with gradient took
-// the 8NDV tl.dot path anyway, as the two passes do.
-bool gradients_in_forward(at::ScalarType input_dtype, const LossOptions& o);
 
 const char* strategy_name(Strategy s);
 Pass parse_pass(c10::string_view name);

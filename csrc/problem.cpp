@@ -57,6 +57,11 @@ GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
           slice(gamma, begin, end)};
 }
 
+GradCoefficients GradCoefficients::scaled(double s) const {
+  const auto times = [s](const at::Tensor& t) { return t.defined() ? t * s : t; };
+  return {lse, times(alpha), times(alpha_lse), times(beta), times(gamma)};
+}
+
 RowStats RowStats::rows(int64_t begin, int64_t end) const {
   return {slice(lse, begin, end), slice(target_gap, begin, end), slice(log_sum, begin, end),
           slice(weighted_z_sum, begin, end)};

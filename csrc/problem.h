@@ -58,6 +58,7 @@ struct RowStats {
 struct GradCoefficients {
   at::Tensor lse, alpha, alpha_lse, beta, gamma;  // [N] float32 contiguous
   GradCoefficients rows(int64_t begin, int64_t end) const;
+  GradCoefficients scaled(double s) const;  // the gradient times s (lse as it is)
 };
 
 // The dtype of the loss and of the ATen stages' arithmetic: float64 for float64 inputs, else float32.

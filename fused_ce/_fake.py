@@ -63,7 +63,10 @@ def _linear_cross_entropy_with_grad_fake(
         reduction in ("mean", "sum"), lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'"
     )
     loss, lse = _linear_cross_entropy_fake(input, linear_weight, target, linear_bias, weight, reduction)
-    return (loss, lse, *_grads(input, linear_weight, linear_bias, output_mask))
+    grads = _grads(input, linear_weight, linear_bias, output_mask)
+    if input.dtype == torch.float16:  # float32 until the backward scales them (csrc/loss.h)
+        grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
+    return (loss, lse, *grads)
 
 
 @torch.library.register_fake("fused_ce::_scale_grad_")

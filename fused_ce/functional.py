@@ -159,8 +159,10 @@ class Plan(NamedTuple):
     tile_cols: int  # vocabulary columns per block (V: whole rows)
     stats_block_rows: int  # "vocab_tiles": rows per block of its stats pass; else 0
     logits_dtype: torch.dtype  # of the logit blocks and the GEMMs on them
+    logits_scale: float  # stored logits are the logits times this: 2^-8 for float16 (no overflow below 1.7e7)
     grad_input_dtype: torch.dtype | None  # where dX accumulates across blocks (None for "forward")
     grad_weight_dtype: torch.dtype | None  # where dW accumulates across blocks
+    grad_scale: float  # float16: the gradient blocks' power-of-two scale, divided out by the GEMMs; else 1
     rank_one_smoothing: bool  # class-weighted smoothing sums from two GEMVs instead of per logit
     rows_on_device: bool  # per-row bookkeeping in kernels (prepare_rows, assemble_loss)
     budget_bytes: int  # workspace_bytes, or the device's default
@@ -173,8 +175,7 @@ def plan(
     """The plan :func:`linear_cross_entropy` follows for these arguments (its keywords), without running it.
 
     ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
-    gradients (but for float16 inputs), else "forward"; a per-row loss, a float16 scalar loss or a gradient
-    through the lse also runs "backward" later.
+    gradients, else "forward"; a per-row loss or a gradient through the lse also runs "backward" later.
     The plan depends on shapes, dtypes, strides and device, not on values: expanded tensors serve.
     """
     keywords.pop("options", None)
@@ -199,9 +200,7 @@ def plan(
         differentiable = torch.is_grad_enabled() and (
             input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        # csrc/plan.h, gradients_in_forward: float16's gradients wait for the upstream gradient
-        in_forward = keywords.get("reduction", "mean") != "none" and input.dtype != torch.float16
-        pass_ = "forward_with_grad" if differentiable and in_forward else "forward"
+        pass_ = "forward_with_grad" if differentiable and keywords.get("reduction", "mean") != "none" else "forward"
     fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, **keywords)
     values = [_DTYPES.get(v) if name.endswith("dtype") else v for name, v in zip(Plan._fields, fields)]
     return Plan(*values)

@@ -56,10 +56,12 @@ def test_class_weighted_smoothing_without_softcap(device, dtype, reduction):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_with_grad_op_opcheck(device):
-    x, w, t, b = make_problem(24, 16, 40, device=device, bias=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16's gradients come back in float32
+def test_with_grad_op_opcheck(device, dtype):
+    x, w, t, b = make_problem(24, 16, 40, device=device, bias=True, dtype=dtype)
     args = (x, w, t, b, torch.rand(40, device=device), [True, True, True], "mean", -100, 0.1, 1e-3, 4.0, 1.0, None)
     torch.library.opcheck(torch.ops.fused_ce.linear_cross_entropy_with_grad.default, args)
+    assert all(g.dtype == torch.float32 for g in torch.ops.fused_ce.linear_cross_entropy_with_grad(*args)[2:])
     with pytest.raises(ValueError, match="reduction"):
         torch.ops.fused_ce.linear_cross_entropy_with_grad(*args[:6], "none", *args[7:])
 
@@ -118,13 +120,14 @@ def test_float16_logits_beyond_float16_range(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_float16_gradients_under_a_loss_scale(device):
     # Mixed precision in float16 scales the loss (torch.amp.GradScaler) so that gradients ~ p / N stay
-    # above float16's smallest subnormal. Gradients formed at unit scale in the forward would lose them
-    # before the scale arrives (dW's rows for all but the target classes zero on CUDA, dX 9x torch's error
-    # on CPU): float16 takes the recomputing backward, whose coefficients carry the upstream gradient.
+    # above float16's smallest subnormal. Formed at unit scale in the forward and stored in float16 they
+    # lost that (dX 2.6x torch's error on CPU): the forward keeps them in float32, its float16 gradient
+    # blocks at a power-of-two scale (Plan.grad_scale), and the backward rounds once after the scale.
     N, D, V = (16384, 64, 2000) if device == "cpu" else (16384, 256, 32000)
     x, w, t, _ = make_problem(N, D, V, device=device, dtype=torch.float16)
     scale = 1024.0  # small enough that dW (~ scale * |x|) stays finite in float16
-    assert fused_ce.plan(*leaves(x, w), t).pass_ == "forward"
+    plan = fused_ce.plan(*leaves(x, w), t)
+    assert plan.pass_ == "forward_with_grad" and plan.grad_input_dtype == plan.grad_weight_dtype == torch.float32
     xr, wr = leaves(x.double(), w.double())
     (reference_loss(xr, wr, t) * scale).backward()
     errors = {}

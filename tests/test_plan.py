@@ -86,13 +86,28 @@ def test_default_bf16_training_stores_logits(shape, rows):
 
 
 @cuda
-def test_float16_takes_dot_tiles():
-    # stored float16 logits could overflow: tl.dot tiles with float32 accumulators instead
+def test_float16_stores_scaled_logits():
+    # float16 logits could overflow past 65504: cuBLAS stores them times 2^-8 (alpha), the row blocks as large
+    # as bfloat16's; a scalar loss's gradient blocks hold the gradient times 2^14 (no underflow at ~p / N)
+    # and the gradients come back in float32 for the backward to scale
     x, w, t = expanded(*C, torch.float16, "cuda", grad=True)
-    for pass_ in ("forward", "forward_with_grad", "backward"):
-        plan = fused_ce.plan(x, w, t, pass_=pass_)
-        assert plan.strategy == "dot_tiles" and plan.rows_on_device, plan
-    assert fused_ce.plan(x, w, t, pass_="forward_with_grad").grad_input_dtype == torch.float32  # several slices
+    loss_only = fused_ce.plan(x, w, t, pass_="forward")
+    assert (loss_only.strategy, loss_only.block_rows, loss_only.logits_scale) == ("stored_logits", 2048, 2.0**-8)
+    plan = fused_ce.plan(x, w, t)
+    assert (plan.pass_, plan.strategy, plan.block_rows, plan.logits_dtype, plan.logits_scale) == (
+        "forward_with_grad",
+        "stored_logits",
+        2048,
+        torch.float16,
+        2.0**-8,
+    )
+    assert plan.grad_input_dtype == plan.grad_weight_dtype == torch.float32 and plan.grad_scale == 2.0**14
+    assert fused_ce.plan(x, w, t, reduction="sum", weight=torch.ones(C[2], device="cuda")).grad_scale == 1.0
+    assert fused_ce.plan(x, w, t, z_loss=1e-2).grad_scale == 2.0**12  # room for 2 z |lse| up to |lse| = 100
+    recompute = fused_ce.plan(x, w, t, pass_="backward")
+    assert recompute.strategy == "dot_tiles" and recompute.grad_scale == recompute.logits_scale == 1.0
+    bf16 = fused_ce.plan(*expanded(*C, torch.bfloat16, "cuda", grad=True))
+    assert bf16.grad_scale == bf16.logits_scale == 1.0
 
 
 @cuda
