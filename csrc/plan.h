@@ -24,8 +24,9 @@ enum class Strategy {
   // into it in place (softmax_grad); cuBLAS multiplies that back. float16's
   // logits are stored times Plan::logits_scale, so that they do not overflow.
   StoredLogits,
-  // Logit tiles from tl.dot reduced in registers (row_stats) or turned into
-  // gradient blocks (logit_grad): no room for cuBLAS-sized blocks.
+  // Logit tiles from tl.dot reduced in registers (row_stats: a loss-only forward
+  // with no room for cuBLAS-sized blocks) or turned into gradient blocks
+  // (logit_grad: the recomputing backward).
   DotTiles,
   // Lean workspaces, forward with gradient: a stored-logits stats pass, then
   // 2-D tiles (block_rows x tile_cols) of recomputed logits turned into their
