@@ -384,26 +384,30 @@ def main():
                 f"  {str(r['config']):14s} write_grad={int(r['write_grad'])}  {r['ms']:.3f} ms  "
                 f"{r['tb_per_s']:.2f} TB/s"
             )
-    if "overlap" in parts:
-        result["overlap"] = [
-            r for shape in args.gemm_shapes.split(",") for r in tune_overlap(shape, args.warmup, args.repeat)
-        ]
-        print("the stored-logits step with its passes on a second stream (JIT kernels; x: serial / this):")
-        for r in result["overlap"]:
-            print(
-                f"  {r['shape']} {'fwd+bwd' if r['grad'] else 'loss only':9s} {r['variant']:28s} {r['ms']:8.2f} ms"
-                f"  {r['of_serial']:.3f}x  lse/dX max diff from serial {r['max_diff']:.1e}"
-            )
-    if "gemm" in parts:
-        result["gemm"] = [
-            r for shape in args.gemm_shapes.split(",") for r in tune_gemm(shape, args.warmup, args.repeat)
-        ]
-        print("the GEMMs of one row block, gemm.py's persistent TMA kernel against torch (share of its rate):")
-        for r in result["gemm"]:
-            print(
+    per_shape = {  # the parts that make their own inputs per shape: (function, title, a row's line)
+        "overlap": (
+            tune_overlap,
+            "the stored-logits step with its passes on a second stream (JIT kernels; x: serial / this):",
+            lambda r: (
+                f"  {r['shape']} {'fwd+bwd' if r['grad'] else 'loss only':9s} {r['variant']:28s} "
+                f"{r['ms']:8.2f} ms  {r['of_serial']:.3f}x  lse/dX max diff from serial {r['max_diff']:.1e}"
+            ),
+        ),
+        "gemm": (
+            tune_gemm,
+            "the GEMMs of one row block, gemm.py's persistent TMA kernel against torch (share of its rate):",
+            lambda r: (
                 f"  {r['shape']} {r['gemm']:6s} {r['rows']} rows  {r['config']:36s} {r['ms']:.3f} ms  "
                 f"{r['tflops']:.0f} TFLOP/s  {r['of_torch']:.3f}  rel err {r['rel_err']:.1e}"
-            )
+            ),
+        ),
+    }
+    for part, (tune, title, line) in per_shape.items():
+        if part in parts:
+            result[part] = [r for shape in args.gemm_shapes.split(",") for r in tune(shape, args.warmup, args.repeat)]
+            print(title)
+            for r in result[part]:
+                print(line(r))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.json").write_text(json.dumps(result, indent=1, default=str))
