@@ -18,7 +18,7 @@ that logit_partials makes over the stored logits is gone.
 
 A JIT candidate only (``jit.gemm``, ``jit.logits_with_partials``; ``benchmarks/tune.py --parts gemm``
 times them against torch.mm and torch.mm + logit_partials at the plan's shapes). Measured on the H200
-(benchmarks/NOTES.md, step 21): logits at torch.mm's rate, dX too but at B (no split-K), dW 5-10% behind;
+(benchmarks/NOTES.md, step 21): logits at torch.mm's rate, dX too except at B (no split-K), dW 5-10% behind;
 the statistics epilogue costs more than the pass it removes, since without warp specialisation on sm_90 it
 runs while the tensor cores idle. So it is not in the AOT build (configs.KERNELS) or the plan; device-side
 descriptors would also need a global scratch buffer per program, which the AOT launcher does not allocate.
