@@ -38,10 +38,11 @@ at::Tensor row_max(const at::Tensor& z) {
   return m.masked_fill_(m.abs() == INFINITY, 0);
 }
 
-// Completes linear_stats_of's `s` from the rows' max m and log sum of exp(z - m).
+// Completes linear_stats_of's `s` from the rows' max m (row_max's) and log sum of exp(z - m). A row holding
+// +inf has the lse +inf (as logsumexp) and a NaN loss (as torch's log_softmax): its log_sum is NaN.
 void finish_stats(RowStats& s, const Problem& p, const at::Tensor& m, const at::Tensor& log_sum) {
-  s.log_sum = log_sum;
   s.lse = m + log_sum;
+  s.log_sum = log_sum.masked_fill(s.lse == INFINITY, NAN);
   s.target_gap = at::where(p.target.ge(0), m - s.target_gap, at::zeros({}, m.options()));
 }
 

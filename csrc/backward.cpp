@@ -1,6 +1,6 @@
-// Pass::Backward: the gradients from blocks of recomputed logits (AtenChunks:
-// ATen in the loss dtype; DotTiles: the logit_grad kernel), multiplied back
-// through w and x by GEMMs.
+// Pass::Backward: the gradients from blocks of recomputed logits (StoredLogits:
+// cuBLAS logits turned into their gradient in place; AtenChunks: ATen in the loss
+// dtype; DotTiles: the logit_grad kernel), multiplied back through w and x by GEMMs.
 #include <algorithm>
 
 #include "aten_stages.h"
@@ -54,7 +54,10 @@ void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool ac
 Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
   const auto opts = p.x.options();
   Grads g;
-  if (need[0]) g.input = at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
+  if (need[0]) {
+    g.input = p.row_index.defined() ? at::zeros({p.x.size(0), p.D}, opts.dtype(plan.grad_input_dtype))
+                                    : at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
+  }
   if (need[1]) {  // zeros where no row will add to it
     g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
                         : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
@@ -63,7 +66,54 @@ Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
   return g;
 }
 
-Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficients& c, GradMask need) {
+at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::Tensor& buffer, int64_t r0, int64_t r1) {
+  if (!p.row_index.defined()) return grad_input.narrow(0, r0, r1 - r0);
+  if (!buffer.defined()) buffer = at::empty({std::min<int64_t>(p.N, r1 - r0), p.D}, grad_input.options());
+  return buffer.narrow(0, 0, r1 - r0);
+}
+
+void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0) {
+  if (p.row_index.defined()) grad_input.index_copy_(0, p.row_index.narrow(0, r0, rows.size(0)), rows);
+}
+
+namespace {
+
+// StoredLogits: per row block, cuBLAS logits turned into their gradient in place (softmax_grad, given the
+// rows' lse), multiplied back by cuBLAS; each row's dX is written once.
+Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
+                         GradMask need) {
+  const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
+  Grads g = allocate_grads(p, plan, need);
+  if (p.N == 0 || !(need_x || need_w || need_b)) return g;
+  // The kernel multiplies the gradient by logit_scale / logits_scale (reading_stored_logits): the
+  // coefficients take logits_scale, so that the blocks hold the gradient itself.
+  const GradCoefficients scaled = plan.logits_scale == 1.0 ? c : c.scaled(plan.logits_scale);
+  const Problem stored = reading_stored_logits(p, plan);
+  at::Tensor buffer = at::empty({plan.block_rows, p.V}, p.x.options());
+  at::Tensor gx_buffer;
+  for (int64_t r0 = 0; r0 < p.N; r0 += plan.block_rows) {
+    const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
+    const Problem pr = stored.rows(r0, r1);
+    const GradCoefficients cr = scaled.rows(r0, r1);
+    at::Tensor block = buffer.narrow(0, 0, r1 - r0);
+    logits_into(pr, block, plan.logits_scale);
+    cuda_softmax_grad(pr, cr, cr.lse, block, o.smoothing());
+    if (need_x) {
+      const at::Tensor gx = input_grad_rows(p, g.input, gx_buffer, r0, r1);
+      gemm_into(gx, block, p.w, /*accumulate=*/false);
+      scatter_input_grad(p, g.input, gx, r0);
+    }
+    if (need_w) gemm_into(g.weight, block.t(), pr.x, r0 > 0);
+    if (need_b) g.bias.add_(block.sum(0, false, loss_dtype(p)));
+  }
+  return g;
+}
+
+}  // namespace
+
+Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
+                       GradMask need) {
+  if (plan.strategy == Strategy::StoredLogits) return stored_logit_grads(p, o, plan, c, need);
   const bool dot_tiles = plan.strategy == Strategy::DotTiles;
   TORCH_CHECK(dot_tiles || plan.strategy == Strategy::AtenChunks,
               "fused_ce: the backward has no executor for strategy ", strategy_name(plan.strategy));
@@ -71,9 +121,8 @@ Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficient
   const auto opts = p.x.options();
   const auto gemm_dtype = plan.logits_dtype;
   Grads g = allocate_grads(p, plan, need);
-  const at::Tensor x = p.x.to(gemm_dtype);
   const at::Tensor w = p.w.to(gemm_dtype);
-  at::Tensor block_buffer;
+  at::Tensor block_buffer, gx_buffer;
   if (dot_tiles) {
     const int64_t ld = (plan.tile_cols + 63) / 64 * 64;  // aligned rows for the kernel's stores and for cuBLAS
     block_buffer = at::empty({plan.block_rows, ld}, opts.dtype(gemm_dtype));
@@ -82,6 +131,8 @@ Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficient
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
     const Problem pr = p.rows(r0, r1);
     const GradCoefficients cr = c.rows(r0, r1);
+    const at::Tensor x = pr.x.to(gemm_dtype);
+    const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
     for (int64_t v0 = 0; v0 < p.V; v0 += plan.tile_cols) {
       const int64_t v1 = std::min(p.V, v0 + plan.tile_cols);
       at::Tensor block;
@@ -91,10 +142,11 @@ Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficient
       } else {
         block = aten_logit_grad(pr, cr, v0, v1).to(gemm_dtype);
       }
-      if (need_x) gemm_into(g.input.narrow(0, r0, r1 - r0), block, w.narrow(0, v0, v1 - v0), v0 > 0);
-      if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), x.narrow(0, r0, r1 - r0), r0 > 0);
+      if (need_x) gemm_into(gx, block, w.narrow(0, v0, v1 - v0), v0 > 0);
+      if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), x, r0 > 0);
       if (need_b) g.bias.narrow(0, v0, v1 - v0).add_(block.sum(0, false, loss_dtype(p)));
     }
+    if (need_x) scatter_input_grad(p, g.input, gx, r0);
   }
   return g;
 }

@@ -3,6 +3,7 @@
 #include "cuda_stages.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -13,7 +14,8 @@
 namespace fused_ce {
 namespace {
 
-const char* dtype_name(at::ScalarType t) {
+// The kernels' name of an input dtype (fused_ce/kernels/spec.py, DTYPES).
+const char* kernel_dtype(at::ScalarType t) {
   switch (t) {
     case at::kBFloat16: return "bf16";
     case at::kHalf: return "fp16";
@@ -40,7 +42,7 @@ bool reads_stored_logits(const char* kernel) {
 
 // `out`: the kernel's output block (logit_grad) or its stored logits (logit_partials, softmax_grad).
 const KernelVariant* select(const char* kernel, const Problem& p, const at::Tensor* out) {
-  const char* dtype = dtype_name(p.x.scalar_type());
+  const char* dtype = kernel_dtype(p.x.scalar_type());
   if (dtype == nullptr) return nullptr;
   const int arch = device_arch(p.x.device().index());
   const KernelVariant* aligned = find_variant(kernel, dtype, "aligned", arch);
@@ -59,7 +61,7 @@ const KernelVariant* select_fixed(const char* kernel, const at::Device& device) 
 }
 
 const KernelVariant* select_elementwise(const char* kernel, const at::Tensor& t) {
-  const char* dtype = dtype_name(t.scalar_type());
+  const char* dtype = kernel_dtype(t.scalar_type());
   if (dtype == nullptr) return nullptr;
   const int arch = device_arch(t.device().index());
   const bool fits = aligned16(t) && t.numel() % 16 == 0;
@@ -136,8 +138,11 @@ RowStats cuda_row_stats(const Problem& p, bool smoothing) {
   const at::Tensor m = partial[0];
   const at::Tensor m_max = std::get<0>(m.max(0));
   RowStats s;
-  s.log_sum = (partial[1] * (m - m_max).exp()).sum(0).log();
-  s.lse = m_max + s.log_sum;
+  const at::Tensor log_sum = (partial[1] * (m - m_max).exp()).sum(0).log();
+  // a row holding +inf: the lse +inf (as logsumexp), the loss NaN (as torch's log_softmax) through log_sum
+  const at::Tensor holds_inf = m_max == INFINITY;
+  s.lse = (m_max + log_sum).masked_fill_(holds_inf, INFINITY);
+  s.log_sum = log_sum.masked_fill(holds_inf, NAN);
   s.target_gap = at::where(p.target.ge(0), m_max - partial[2].sum(0), at::zeros({}, m_max.options()));
   if (smoothing) s.weighted_z_sum = partial[3].sum(0);
   return s;
@@ -254,7 +259,8 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * segments, args);
 }
 
-at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit) {
+at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit,
+                             at::Tensor* order) {
   TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == p.N,
               "fused_ce: bad target buffer");
   const KernelVariant& v = *select_fixed("prepare_rows", p.x.device());
@@ -262,31 +268,34 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOpt
   p.target = at::empty({p.N}, target.options());
   p.target_weight = at::empty({p.N}, f32);
   p.totals = at::empty({3}, f32);
-  const at::Tensor bad = at::empty({1}, p.x.options().dtype(at::kInt));
+  const at::Tensor counts = at::empty({2}, p.x.options().dtype(at::kInt));
   const at::Tensor coef = unit != nullptr ? at::empty({4, p.N}, f32) : at::Tensor();
   const auto row = [&](int i) { return coef.defined() ? coef[i] : at::Tensor(); };
+  if (order != nullptr) *order = at::empty({p.N}, target.options());
   KernelArgs args;
   args.ptr("tgt_ptr", target)
       .ptr("cw_ptr", p.class_weight)
       .ptr("tgt_out_ptr", p.target)
       .ptr("wt_ptr", p.target_weight)
       .ptr("totals_ptr", p.totals)
-      .ptr("bad_ptr", bad)
+      .ptr("counts_ptr", counts)
       .ptr("alpha_ptr", row(0))
       .ptr("alpha_lse_ptr", row(1))
       .ptr("beta_ptr", row(2))
       .ptr("gamma_ptr", row(3))
+      .ptr("order_ptr", order != nullptr ? *order : at::Tensor())
       .i64("N", p.N)
       .i64("V", p.V)
       .i64("ignore_index", o.ignore_index)
       .f32("label_smoothing", static_cast<float>(o.label_smoothing))
       .f32("z_loss", static_cast<float>(o.z_loss))
       .i32("has_class_weight", p.class_weight.defined())
-      .i32("mean", o.reduction == Reduction::Mean)
-      .i32("write_coefficients", unit != nullptr);
+      .i32("mean", o.reduction_kind == Reduction::Mean)
+      .i32("write_coefficients", unit != nullptr)
+      .i32("write_order", order != nullptr);
   launch(v, p.x.device(), 1, args);
   if (unit != nullptr) *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), row(3)};
-  return bad;
+  return counts;
 }
 
 at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOptions& o) {
@@ -310,7 +319,7 @@ at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOpt
       .f32("label_smoothing", static_cast<float>(o.label_smoothing))
       .f32("z_loss", static_cast<float>(o.z_loss))
       .i32("has_smoothing", o.smoothing())
-      .i32("reduction", static_cast<int>(o.reduction));
+      .i32("reduction", static_cast<int>(o.reduction_kind));
   launch(v, p.x.device(), 1, args);
   return loss;
 }

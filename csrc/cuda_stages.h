@@ -18,10 +18,13 @@ bool cuda_kernels_available(const Problem& p);
 
 // Prologue (prepare_rows.py): from the raw int64 class indices `target` ([N],
 // contiguous), sets p.target (ignored rows -1), p.target_weight and p.totals,
-// and with `unit` the gradient coefficients of a scalar loss (mean or sum) for
-// an upstream gradient of 1. Returns the count of class indices outside
-// [0, V) that are not ignore_index ([1] int32 on the device; reading it syncs).
-at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit);
+// with `unit` the gradient coefficients of a scalar loss (mean or sum) for an
+// upstream gradient of 1, and with `order` the rows in the executors' order (the
+// counted ones, then the ignored ones: targets.h). Returns [the count of class
+// indices outside [0, V) that are not ignore_index, the count of counted rows]
+// ([2] int32 on the device; reading it syncs).
+at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit,
+                             at::Tensor* order);
 // Epilogue (assemble_loss.py): the loss from the row stats of a problem that
 // cuda_prepare_rows prepared: [N] for 'none', [1] otherwise.
 at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOptions& o);

@@ -26,8 +26,9 @@ using GradMask = std::array<bool, 3>;
 RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan);
 
 // backward.cpp: the gradients, recomputing the logits, for coefficients `c`
-// with c.lse set (Pass::Backward; AtenChunks, DotTiles).
-Grads recomputed_grads(const Problem& p, const Plan& plan, const GradCoefficients& c, GradMask need);
+// with c.lse set (Pass::Backward; StoredLogits, AtenChunks, DotTiles).
+Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
+                       GradMask need);
 
 // forward_with_grad.cpp: the row stats and the gradients of the scalar loss for
 // an upstream gradient of 1 (`unit`), from the same logits (Pass::ForwardWithGrad).
@@ -36,8 +37,14 @@ std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions
 
 // Shared by the executors.
 // The gradients asked for (the bias's only with a bias), uninitialised but for
-// those that accumulate from zero.
+// those that accumulate from zero; dX of selected rows (Problem::row_index) has
+// every row of x, zeros where no selected row writes.
 Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need);
+// dX's rows [r0, r1) of the problem: a view of grad_input, or, for selected rows,
+// of `buffer` (allocated on first use), which scatter_input_grad then copies to
+// their rows of grad_input.
+at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::Tensor& buffer, int64_t r0, int64_t r1);
+void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0);
 // raw logits (x @ w.T + b) * scale of the rows of `p` into `out` (cuBLAS)
 void logits_into(const Problem& p, at::Tensor& out, double scale = 1.0);
 // p as the kernels over logits stored at plan.logits_scale see it (logit_scale / logits_scale).

@@ -44,7 +44,7 @@ RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan)
   if (p.N == 0) return RowStats::allocate(p, o.smoothing());
   switch (plan.strategy) {
     case Strategy::StoredLogits: return stats_from_stored_logits(p, o, plan, plan.block_rows);
-    case Strategy::DotTiles: return cuda_row_stats(p, o.smoothing());
+    case Strategy::DotTiles: return cuda_row_stats(p.rows(0, p.N), o.smoothing());  // (selected rows gathered)
     case Strategy::AtenChunks: return aten_row_stats(p, o.smoothing(), plan.block_rows);
     case Strategy::VocabTiles: break;
   }

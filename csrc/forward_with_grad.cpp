@@ -14,15 +14,15 @@ namespace {
 
 // x.T @ gamma over the rows whose gamma is not 0, a block of rows at a time: a row left out (an ignored
 // one) must not bring in a NaN or inf of its own (0 * NaN is NaN).
-at::Tensor counted_rows_t_times(const at::Tensor& x, const at::Tensor& gamma, int64_t block_rows) {
-  at::Tensor sum = at::zeros({x.size(1)}, x.options().dtype(at::kFloat));
-  for (int64_t r0 = 0; r0 < x.size(0); r0 += block_rows) {
-    const int64_t rows = std::min(x.size(0) - r0, block_rows);
-    const at::Tensor g = gamma.narrow(0, r0, rows);
-    const at::Tensor xr = x.narrow(0, r0, rows).masked_fill(g.eq(0).unsqueeze(1), 0);
-    sum.add_(at::mv(xr.t(), g.to(x.scalar_type())));
+at::Tensor counted_rows_t_times(const Problem& p, const at::Tensor& gamma, int64_t block_rows, at::ScalarType dtype) {
+  at::Tensor sum = at::zeros({p.D}, p.x.options().dtype(at::kFloat));
+  for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
+    const int64_t r1 = std::min(p.N, r0 + block_rows);
+    const at::Tensor g = gamma.narrow(0, r0, r1 - r0);
+    const at::Tensor xr = p.rows(r0, r1).x.to(dtype).masked_fill(g.eq(0).unsqueeze(1), 0);
+    sum.add_(at::mv(xr.t(), g.to(dtype)));
   }
-  return sum.to(x.scalar_type());
+  return sum.to(dtype);
 }
 
 // Blocks of whole vocabulary rows (StoredLogits, AtenChunks): each row's
@@ -41,19 +41,21 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   const bool rank_one = plan.rank_one_smoothing;
   const bool smoothing_in_kernel = o.smoothing() && !rank_one;
   RowStats s = RowStats::allocate(p, smoothing_in_kernel);
-  const at::Tensor x = p.x.to(gemm_dtype);
   const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor u, neg_gamma;
   if (rank_one) {
     u = class_weighted_w(p);
     neg_gamma = c.gamma * -p.logit_scale;  // [N] float32
     s.weighted_z_sum = weighted_z_sum(p, u);
-    if (need[1])
-      g.weight.copy_(at::outer(p.class_weight.to(gemm_dtype), counted_rows_t_times(x, neg_gamma, plan.block_rows)));
+    if (need[1]) {
+      g.weight.copy_(
+          at::outer(p.class_weight.to(gemm_dtype), counted_rows_t_times(p, neg_gamma, plan.block_rows, gemm_dtype)));
+    }
     if (need[2]) g.bias.add_(p.class_weight * neg_gamma.sum());
   }
   const int64_t rows = plan.block_rows;
   at::Tensor logits_buffer = stored_logits ? at::empty({rows, p.V}, p.x.options().dtype(gemm_dtype)) : at::Tensor();
+  at::Tensor gx_buffer;
   const Problem stored = reading_stored_logits(p, plan);
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
@@ -81,14 +83,15 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       block_stats.copy_(part);
     }
     if (need[0]) {
-      at::Tensor gx = g.input.narrow(0, r0, r1 - r0);
+      at::Tensor gx = input_grad_rows(p, g.input, gx_buffer, r0, r1);
       if (rank_one) {
         at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), block, w);
       } else {
         gemm_into(gx, block, w, /*accumulate=*/false, unscale);
       }
+      scatter_input_grad(p, g.input, gx, r0);
     }
-    if (need[1]) gemm_into(g.weight, block.t(), x.narrow(0, r0, r1 - r0), r0 > 0 || rank_one, unscale);
+    if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, unscale);
     if (need[2]) g.bias.add_(block.sum(0, false, dtype), unscale);
   }
   return {s, g};

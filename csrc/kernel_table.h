@@ -16,8 +16,8 @@ struct KernelVariant {
   const char* function;  // entry point in the cubin
   int num_warps;
   int shared_bytes;
-  int block_n, block_v, block_d, group_n;  // row kernels: rows and columns per program in block_n, block_v
-  int num_params;                          // named launch parameters, in order
+  int block_n, block_v, block_d;  // row kernels: rows and columns per program in block_n, block_v
+  int num_params;                 // named launch parameters, in order
   const char* const* param_names;
   const char* const* param_types;  // triton types: "*bf16", "i64", "i32", "fp32", ...
   int num_extra_params;            // trailing scratch pointers triton appends (passed as null)

@@ -1,12 +1,17 @@
-// The ops: options, problem and plan, then the plan's executor and the loss.
+// The ops: options, problem and targets, plan, then the plan's executor and the loss.
 #include "loss.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
 #include <limits>
+#include <string>
 
 #include "executors.h"
 #include "loss_terms.h"
 #include "plan.h"
 #include "problem.h"
+#include "targets.h"
 #include "vocab_parallel.h"
 
 namespace fused_ce {
@@ -32,85 +37,150 @@ at::Tensor flag_bad_targets(const Problem& p, const at::Tensor& loss) {
   return at::where(p.unreported_bad_targets.gt(0).reshape({}), nan, loss);
 }
 
-std::string dtype_name(at::ScalarType t) {
-  return t == at::ScalarType::Undefined ? "" : c10::toString(t);
+// The problem the executors run on: p's counted rows where the plan says so (Plan::counted_rows_only), else p.
+Problem rows_to_run(const Problem& p, const Plan& plan, const CountedRows& rows) {
+  return plan.counted_rows_only ? p.select_rows(rows.counted_index()) : p;
+}
+
+// values ([K, ...]) of the rows `index` of N rows, `fill` elsewhere (index_copy_: deterministic).
+at::Tensor expand_rows(const at::Tensor& values, const at::Tensor& index, int64_t N, double fill) {
+  at::Tensor out = at::full({N}, fill, values.options());
+  return out.index_copy_(0, index, values);
+}
+
+// The row stats of every row of p from the counted rows' (`counted`): the ignored rows' lse, where asked for
+// (lse_of_ignored_rows), from a forward pass over them; their other stats 0.
+RowStats every_row(const Problem& p, const LossOptions& o, const CountedRows& rows, const RowStats& counted) {
+  const at::Tensor index = rows.counted_index();
+  const auto expand = [&](const at::Tensor& t) { return t.defined() ? expand_rows(t, index, p.N, 0.0) : t; };
+  RowStats s{expand(counted.lse), expand(counted.target_gap), expand(counted.log_sum), expand(counted.weighted_z_sum)};
+  if (o.lse_of_ignored_rows && rows.counted < p.N) {
+    const at::Tensor ignored_index = rows.ignored_index();
+    const Problem ignored = p.select_rows(ignored_index);
+    const Plan plan = make_plan(ignored, o, Pass::Forward);
+    const Problem shard = vocab_shard(ignored, o);
+    const RowStats part = forward_stats(shard, o, plan);
+    if (o.vocab_parallel()) combine_vocab_shards(shard, part, o);
+    s.lse.index_copy_(0, ignored_index, part.lse.to(s.lse.scalar_type()));
+  }
+  return s;
+}
+
+// The loss shaped like the target: of every row for 'none' (0 at rows not run), else the scalar.
+at::Tensor shaped_loss(const Problem& run, const LossOptions& o, const Plan& plan, const RowStats& s,
+                       const CountedRows& rows, int64_t N, at::IntArrayRef target_shape) {
+  at::Tensor loss = assemble_loss(run, o, plan, s, o.scalar() ? target_shape : at::IntArrayRef{run.N});
+  if (!o.scalar() && plan.counted_rows_only) loss = expand_rows(loss, rows.counted_index(), N, 0.0);
+  return o.scalar() ? loss : loss.reshape(target_shape);
+}
+
+at::Tensor unrequested(const at::Tensor& like) {
+  return at::empty({0}, like.options());
+}
+
+void check_outputs_supported(const LossOptions& o) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!o.extra_outputs(), "fused_ce: return_entropy and return_argmax are not implemented");
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight,
-                                                        const at::Tensor& target,
-                                                        const std::optional<at::Tensor>& linear_bias,
-                                                        const std::optional<at::Tensor>& weight,
-                                                        FUSED_CE_LOSS_OPTION_PARAMS) {
-  return vocab_parallel_linear_cross_entropy(input, linear_weight, target, linear_bias, weight,
-                                             FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_NO_SHARD_ARGS);
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)) {
+  const auto [loss, lse, entropy, argmax] =
+      linear_cross_entropy_all(input, linear_weight, target, linear_bias,
+                               weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
+                                   FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS));
+  return {loss, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_all(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
-  const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  check_outputs_supported(o);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, Pass::Forward);
-  prepare_targets(p, o, plan, /*check=*/true, nullptr);
-  const Problem shard = vocab_shard(p, o);
-  const RowStats s = forward_stats(shard, o, plan);
+  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr);
+  const Plan plan = make_plan(p, o, Pass::Forward, rows.counted);
+  const Problem run = rows_to_run(p, plan, rows);
+  const Problem shard = vocab_shard(run, o);
+  RowStats s = forward_stats(shard, o, plan);
   if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
-  return {flag_bad_targets(p, assemble_loss(p, o, plan, s, target.sizes())), s.lse.reshape(target.sizes())};
+  const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, rows, p.N, target.sizes()));
+  if (plan.counted_rows_only) s = every_row(p, o, rows, s);
+  return {loss, s.lse.reshape(target.sizes()), unrequested(s.lse), unrequested(p.target)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
-    const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse, const at::Tensor& input,
-    const at::Tensor& linear_weight, const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
-    const std::optional<at::Tensor>& weight, const at::Tensor& lse, std::array<bool, 3> output_mask,
-    FUSED_CE_OPTION_PARAMS) {
-  const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
+    const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const at::Tensor& input, const at::Tensor& linear_weight,
+    const at::Tensor& target, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+    const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
+    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const LossOptions o = LossOptions::parse("linear_cross_entropy_backward" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  TORCH_CHECK_NOT_IMPLEMENTED(!grad_entropy && !entropy, "fused_ce: the entropy's gradient is not implemented");
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, Pass::Backward);
-  prepare_targets(p, o, plan, /*check=*/false, nullptr);  // the forward checked these targets
+  // the forward checked these targets; the count is read all the same
+  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
   GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse);
   c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
-  return shaped_grads(p, recomputed_grads(vocab_shard(p, o), plan, c, output_mask), input, linear_weight);
+  // Ignored rows have no gradient unless their lse has one.
+  const bool lse_grad = grad_lse && grad_lse->defined();
+  const Plan plan = make_plan(p, o, Pass::Backward, lse_grad ? -1 : rows.counted);
+  const Problem run = rows_to_run(p, plan, rows);
+  if (plan.counted_rows_only) c = c.select_rows(rows.counted_index());
+  return shaped_grads(p, recomputed_grads(vocab_shard(run, o), o, plan, c, output_mask), input, linear_weight);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_grad(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-    std::array<bool, 3> output_mask, FUSED_CE_OPTION_PARAMS) {
-  const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                               const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                               std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const LossOptions o = LossOptions::parse("linear_cross_entropy_with_grad" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  TORCH_CHECK_VALUE(o.scalar(), "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
+  check_outputs_supported(o);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, Pass::ForwardWithGrad);
   GradCoefficients unit;
-  prepare_targets(p, o, plan, /*check=*/true, &unit);
-  const auto [s, g] = forward_with_grad(vocab_shard(p, o), o, plan, unit, output_mask);
+  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, &unit);
+  const Plan plan = make_plan(p, o, Pass::ForwardWithGrad, rows.counted);
+  const Problem run = rows_to_run(p, plan, rows);
+  if (plan.counted_rows_only) unit = unit.select_rows(rows.counted_index());
+  auto [s, g] = forward_with_grad(vocab_shard(run, o), o, plan, unit, output_mask);
   // float16's come back in float32 (loss.h): at unit scale, before the upstream gradient, float16 would
   // lose them to underflow.
   const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight, input.scalar_type() == at::kHalf);
-  return {flag_bad_targets(p, assemble_loss(p, o, plan, s, target.sizes())), s.lse.reshape(target.sizes()), gx, gw, gb};
+  const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, rows, p.N, target.sizes()));
+  if (plan.counted_rows_only) s = every_row(p, o, rows, s);
+  return {loss, s.lse.reshape(target.sizes()), unrequested(s.lse), unrequested(p.target), gx, gw, gb};
 }
 
-std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, double, std::string, std::string, double,
-           bool, bool, int64_t, int64_t>
-plan_of(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, c10::string_view pass,
-        const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
-  const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
-  const Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const Plan plan = make_plan(p, o, parse_pass(pass));
-  return {std::string(pass),
-          strategy_name(plan.strategy),
-          plan.block_rows,
-          plan.tile_cols,
-          plan.stats_block_rows,
-          dtype_name(plan.logits_dtype),
-          plan.logits_scale,
-          dtype_name(plan.grad_input_dtype),
-          dtype_name(plan.grad_weight_dtype),
-          plan.grad_scale,
-          plan.rank_one_smoothing,
-          plan.rows_on_device,
-          plan.budget_bytes,
-          plan.workspace_bytes};
+void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const auto args = torch::jit::last(*stack, n);
+  const at::Tensor input = args[0].toTensor(), linear_weight = args[1].toTensor(), target = args[2].toTensor();
+  const Pass pass = parse_pass(args[3].toStringView());
+  const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
+  const LossOptions o = LossOptions::from_ivalues("_plan", args.slice(6));
+  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
+  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
+  const Plan plan = make_plan(p, o, pass, rows.counted);
+  torch::jit::drop(*stack, n);
+  for (auto& [name, value] : plan_fields(plan)) stack->push_back(std::move(value));
+}
+
+std::string plan_schema() {
+  std::string schema =
+      "_plan(Tensor input, Tensor linear_weight, Tensor target, str pass_, Tensor? linear_bias=None, "
+      "Tensor? weight=None" FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) ") -> (";
+  const char* separator = "";
+  for (const auto& [name, value] : plan_fields(Plan{})) {
+    const char* type = value.isString() ? "str" : value.isBool() ? "bool" : value.isInt() ? "int" : "float";
+    schema += std::string(separator) + type + " " + name;
+    separator = ", ";
+  }
+  return schema + ")";
 }
 
 }  // namespace fused_ce

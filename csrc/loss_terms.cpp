@@ -43,7 +43,7 @@ at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const Plan& pla
       o.smoothing() ? where_counted((eps / p.V) * (class_weight_sum(p) * s.lse - s.weighted_z_sum)) : at::Tensor();
   const at::Tensor z_term = o.z_loss > 0.0 ? where_counted(o.z_loss * s.lse.square()) : at::Tensor();
   const auto plus = [](at::Tensor a, const at::Tensor& b) { return b.defined() ? a + b : a; };
-  switch (o.reduction) {
+  switch (o.reduction_kind) {
     case Reduction::None: return plus(plus(loss, smooth), z_term).reshape(target_shape);
     case Reduction::Sum:
       return plus(plus(loss.sum(), smooth.defined() ? smooth.sum() : smooth), z_term.defined() ? z_term.sum() : z_term);
@@ -62,22 +62,27 @@ GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const
   const auto [valid, wt] = row_weights(p);
   const double eps = o.label_smoothing;
   at::Tensor g_ce, g_z;
-  if (o.reduction == Reduction::None) {
+  if (o.reduction_kind == Reduction::None) {
     g_ce = g_z = grad_loss.reshape({p.N}).to(dtype);
   } else {
     const at::Tensor g = grad_loss.to(dtype).reshape({});
     const at::Tensor counted = valid.sum();
-    g_ce = o.reduction == Reduction::Mean ? g * mean_reciprocal(wt.sum(), counted) : g;
-    g_z = o.reduction == Reduction::Mean ? g * mean_reciprocal(counted, counted) : g;
+    g_ce = o.reduction_kind == Reduction::Mean ? g * mean_reciprocal(wt.sum(), counted) : g;
+    g_z = o.reduction_kind == Reduction::Mean ? g * mean_reciprocal(counted, counted) : g;
   }
-  const auto per_row = [&](const at::Tensor& t) { return t.expand({p.N}).contiguous(); };
-  at::Tensor alpha = g_ce * ((1.0 - eps) * wt + (eps / p.V) * class_weight_sum(p) * valid);
-  if (grad_lse && grad_lse->defined()) alpha = alpha + grad_lse->reshape({p.N}).to(dtype);
+  // Exactly 0 where a row is not counted, whatever g_ce is (an infinite 1 / sum for weights summing to 0), and
+  // the smoothing terms only with label smoothing (0 * an infinite class-weight sum would be NaN).
+  const at::Tensor counted = valid.gt(0);
+  const at::Tensor zero = at::zeros({}, valid.options());
+  const auto per_row = [&](const at::Tensor& t) { return at::where(counted, t, zero).expand({p.N}).contiguous(); };
+  at::Tensor alpha = g_ce * (1.0 - eps) * wt;
+  if (eps > 0.0) alpha = alpha + g_ce * (eps / p.V) * class_weight_sum(p);
   GradCoefficients c;
   c.alpha = per_row(alpha);
+  if (grad_lse && grad_lse->defined()) c.alpha = c.alpha + grad_lse->reshape({p.N}).to(dtype);
   c.alpha_lse = per_row((2.0 * o.z_loss) * g_z * valid);
   c.beta = per_row(g_ce * (1.0 - eps) * wt);
-  c.gamma = per_row(g_ce * (eps / p.V) * valid);
+  c.gamma = eps > 0.0 ? per_row(g_ce * (eps / p.V) * valid) : at::zeros({p.N}, valid.options());
   return c;
 }
 
@@ -91,6 +96,7 @@ at::Tensor class_weighted_w(const Problem& p) {
 
 at::Tensor weighted_z_sum(const Problem& p, const at::Tensor& u) {
   at::Tensor wz = at::mv(p.x, u).to(at::kFloat);
+  if (p.row_index.defined()) wz = wz.index_select(0, p.row_index);  // x holds every row: a GEMV is cheap
   if (p.bias.defined()) wz.add_((p.bias.to(at::kFloat) * p.class_weight).sum());
   return wz.mul_(p.logit_scale);
 }

@@ -1,6 +1,7 @@
 // The op library fused_ce: schemas and registration, the autograd formula,
 // autocast, and what the build embedded. The CPU/CUDA kernels are in loss.cpp.
 #include <ATen/ATen.h>
+#include <ATen/FuncTorchTLS.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -20,6 +21,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The tensor arguments before the options: input, linear_weight, target, linear_bias, weight.
+constexpr int kNumTensorArguments = 5;
+
 std::optional<at::Tensor> optional(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
@@ -28,54 +32,69 @@ c10::OperatorHandle op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-// The loss op of these options: linear_cross_entropy, or its vocabulary-parallel form.
-std::tuple<at::Tensor, at::Tensor> call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight,
-                                                const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
-                                                const std::optional<at::Tensor>& weight, const LossOptions& o) {
-  static auto plain = op_handle("fused_ce::linear_cross_entropy").typed<decltype(linear_cross_entropy)>();
-  static auto sharded =
-      op_handle("fused_ce::vocab_parallel_linear_cross_entropy").typed<decltype(vocab_parallel_linear_cross_entropy)>();
-  return o.apply([&](FUSED_CE_OPTION_PARAMS) {
-    if (o.vocab_parallel())
-      return sharded.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
-    return plain.call(input, linear_weight, target, linear_bias, weight, FUSED_CE_LOSS_OPTION_ARGS);
-  });
+using AllOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// torch.func's transforms (grad, vjp, jacrev, vmap) cannot run a C++ autograd function: say so in our words
+// (torch's own message names no op).
+void check_no_functorch_transform() {
+  const auto& functorch = at::functorch::functorchTLSAccessor();
+  if (!functorch) return;
+  try {
+    functorch->checkSupportsCppAutogradFunction();
+  } catch (const c10::Error&) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+                                "fused_ce.linear_cross_entropy does not support torch.func transforms (grad, vjp, "
+                                "jacrev, vmap): its gradient is a C++ autograd function. Use loss.backward() or "
+                                "torch.autograd.grad, or torch.nn.functional.cross_entropy on the logits inside "
+                                "torch.func");
+  }
 }
 
-// Autograd: loss and lse are differentiable in input, linear_weight and
+// _linear_cross_entropy through the dispatcher, below autograd.
+AllOutputs call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                        const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                        const LossOptions& o) {
+  static auto op = op_handle("fused_ce::_linear_cross_entropy").typed<decltype(linear_cross_entropy_all)>();
+  return o.apply(
+      [&](auto... options) { return op.call(input, linear_weight, target, linear_bias, weight, options...); });
+}
+
+// Autograd: loss, lse and entropy are differentiable in input, linear_weight and
 // linear_bias. For a scalar reduction the gradients are computed in the
 // forward, from the same logits (linear_cross_entropy_with_grad), and the
 // backward only scales them; otherwise (per-element losses, a gradient on the
-// lse, or a second backward) the backward op recomputes the logits. Both are
-// ops of their own, so torch.compile and TorchScript see them too.
+// lse or the entropy, or a second backward) the backward op recomputes the
+// logits. Both are ops of their own, so torch.compile and TorchScript see them too.
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& linear_weight,
                                const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
-                               const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
+                               const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
     ctx->set_materialize_grads(false);  // an unused lse must not look like a zero gradient
-    const LossOptions o = LossOptions::parse(FUSED_CE_OPTION_ARGS);
+    const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
     const bool has_bias = linear_bias && linear_bias->defined();
     const std::array<bool, 3> needs{input.requires_grad(), linear_weight.requires_grad(),
                                     has_bias && linear_bias->requires_grad()};
     ctx->saved_data["needs_grad"] = std::vector<bool>(needs.begin(), needs.end());
     ctx->saved_data["options"] = o.to_ivalue();
     at::AutoDispatchBelowADInplaceOrView guard;
-    at::Tensor loss, lse;
+    at::Tensor loss, lse, entropy, argmax;
     if (o.scalar()) {
       static auto op =
           op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
-      auto [l, s, gx, gw, gb] = op.call(input, linear_weight, target, linear_bias, weight, needs, FUSED_CE_OPTION_ARGS);
-      loss = l;
-      lse = s;
+      auto [l, s, e, a, gx, gw, gb] = o.apply([&](auto... options) {
+        return op.call(input, linear_weight, target, linear_bias, weight, needs, options...);
+      });
+      std::tie(loss, lse, entropy, argmax) = std::tie(l, s, e, a);
       // Not saved with save_for_backward: the backward consumes them (scales in place and hands them on).
       ctx->saved_data["grads"] = std::vector<at::Tensor>{gx, gw, gb};
     } else {
-      std::tie(loss, lse) = call_loss_op(input, linear_weight, target, linear_bias, weight, o);
+      std::tie(loss, lse, entropy, argmax) = call_loss_op(input, linear_weight, target, linear_bias, weight, o);
     }
-    ctx->save_for_backward(
-        {input, linear_weight, target, has_bias ? *linear_bias : at::Tensor(), weight ? *weight : at::Tensor(), lse});
-    return {loss, lse};
+    ctx->mark_non_differentiable({argmax});
+    ctx->save_for_backward({input, linear_weight, target, has_bias ? *linear_bias : at::Tensor(),
+                            weight ? *weight : at::Tensor(), lse, o.return_entropy ? entropy : at::Tensor()});
+    return {loss, lse, entropy, argmax};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -91,15 +110,17 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const at::Tensor& lse = saved[5];
     at::Tensor grad_loss = grads[0];
     const at::Tensor& grad_lse = grads[1];
+    const at::Tensor& grad_entropy = grads[2];
     const auto result = [&](const at::Tensor& gx, const at::Tensor& gw, const at::Tensor& gb) -> variable_list {
-      variable_list out(16);  // one per op argument; only input, linear_weight and linear_bias get one
+      // one per op argument; only input, linear_weight and linear_bias get one
+      variable_list out(kNumTensorArguments + kNumOptions);
       out[0] = mask[0] ? gx : at::Tensor();
       out[1] = mask[1] ? gw : at::Tensor();
       out[3] = mask[2] ? gb : at::Tensor();
       return out;
     };
     const LossOptions o = LossOptions::from_ivalue(ctx->saved_data["options"]);
-    if (o.scalar() && !grad_lse.defined()) {
+    if (o.scalar() && !grad_lse.defined() && !grad_entropy.defined()) {
       std::vector<at::Tensor> list;
       auto precomputed = ctx->saved_data.find("grads");
       if (precomputed != ctx->saved_data.end()) {
@@ -114,7 +135,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
         const auto all = o.apply([&](auto... options) {
           return op.call(saved[0], saved[1], saved[2], optional(saved[3]), optional(saved[4]), mask, options...);
         });
-        list = {std::get<2>(all), std::get<3>(all), std::get<4>(all)};
+        list = {std::get<4>(all), std::get<5>(all), std::get<6>(all)};
       }
       if (!grad_loss.defined()) grad_loss = at::zeros({}, lse.options());
       static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
@@ -135,16 +156,17 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_backward").typed<decltype(linear_cross_entropy_backward)>();
     const auto [gx, gw, gb] = o.apply([&](auto... options) {
-      return op.call(grad_loss, optional(grad_lse), saved[0], saved[1], saved[2], optional(saved[3]),
-                     optional(saved[4]), lse, mask, options...);
+      return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), saved[0], saved[1], saved[2],
+                     optional(saved[3]), optional(saved[4]), lse, optional(saved[6]), mask, options...);
     });
     return result(gx, gw, gb);
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_autograd(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
+AllOutputs linear_cross_entropy_all_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
+                                             const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                             const std::optional<at::Tensor>& weight
+                                                 FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const bool differentiable = input.requires_grad() || linear_weight.requires_grad() ||
                               (linear_bias && linear_bias->defined() && linear_bias->requires_grad());
   // Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) has no formula here: an error, never a zero tangent.
@@ -155,47 +177,54 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_autograd(
   TORCH_CHECK(!at::GradMode::is_enabled() || !weight || !weight->defined() || !weight->requires_grad(),
               "linear_cross_entropy: not differentiable with respect to argument 'weight' (class weights); it "
               "cannot have requires_grad=True (detach it)");
+  const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
   if (!at::GradMode::is_enabled() || !differentiable) {  // no gradient work at all
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_loss_op(input, linear_weight, target, linear_bias, weight, LossOptions::parse(FUSED_CE_OPTION_ARGS));
+    return call_loss_op(input, linear_weight, target, linear_bias, weight, o);
   }
-  auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias, weight, FUSED_CE_OPTION_ARGS);
-  return {out[0], out[1]};
+  check_no_functorch_transform();
+  auto out = LinearCrossEntropyFunction::apply(input, linear_weight, target, linear_bias,
+                                               weight FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  return {out[0], out[1], out[2], out[3]};
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(const at::Tensor& input,
-                                                                 const at::Tensor& linear_weight,
-                                                                 const at::Tensor& target,
-                                                                 const std::optional<at::Tensor>& linear_bias,
-                                                                 const std::optional<at::Tensor>& weight,
-                                                                 FUSED_CE_LOSS_OPTION_PARAMS) {
-  return vocab_parallel_linear_cross_entropy_autograd(input, linear_weight, target, linear_bias, weight,
-                                                      FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_NO_SHARD_ARGS);
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)) {
+  const auto [loss, lse, entropy, argmax] = linear_cross_entropy_all_autograd(
+      input, linear_weight, target, linear_bias,
+      weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
+          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS));
+  return {loss, lse};
 }
 
 // Autocast: like F.linear, the linear part runs in the autocast dtype (the
 // loss is float32 inside anyway).
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
-std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_autocast(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, FUSED_CE_OPTION_PARAMS) {
+AllOutputs linear_cross_entropy_all_autocast(const at::Tensor& input, const at::Tensor& linear_weight,
+                                             const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                             const std::optional<at::Tensor>& weight
+                                                 FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   const auto dtype = at::autocast::get_autocast_dtype(device_type);
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
   std::optional<at::Tensor> bias;
   if (linear_bias && linear_bias->defined()) bias = cast(*linear_bias);
-  return call_loss_op(cast(input), cast(linear_weight), target, bias, weight, LossOptions::parse(FUSED_CE_OPTION_ARGS));
+  return call_loss_op(cast(input), cast(linear_weight), target, bias, weight,
+                      LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS)));
 }
 
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(const at::Tensor& input,
-                                                                 const at::Tensor& linear_weight,
-                                                                 const at::Tensor& target,
-                                                                 const std::optional<at::Tensor>& linear_bias,
-                                                                 const std::optional<at::Tensor>& weight,
-                                                                 FUSED_CE_LOSS_OPTION_PARAMS) {
-  return vocab_parallel_linear_cross_entropy_autocast<device_type, autocast_key>(
-      input, linear_weight, target, linear_bias, weight, FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_NO_SHARD_ARGS);
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)) {
+  const auto [loss, lse, entropy, argmax] = linear_cross_entropy_all_autocast<device_type, autocast_key>(
+      input, linear_weight, target, linear_bias,
+      weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
+          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS));
+  return {loss, lse};
 }
 
 // What the build embedded: architectures, and one cubin's bytes (for tests).
@@ -223,34 +252,32 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
   return at::Tensor();
 }
 
+// The tensor arguments every loss op begins with.
+#define FUSED_CE_TENSORS \
+  "Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None"
+
 }  // namespace
 
 TORCH_LIBRARY(fused_ce, m) {
+  // The public op: graphs saved with it (TorchScript, torch.export, AOTInductor) keep loading as long as its
+  // options are only ever appended, with defaults (options.h).
+  m.def("linear_cross_entropy(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(FUSED_CE_LOSS_OPTIONS) ") -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("_linear_cross_entropy(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(
+            FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax)",
+        {at::Tag::pt2_compliant_tag});
   m.def(
-      "linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, "
-      "Tensor? weight=None, " FUSED_CE_LOSS_OPTION_SCHEMA ") -> (Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "vocab_parallel_linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, "
-      "Tensor? linear_bias=None, Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor linear_weight, "
-      "Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA
-      ") -> (Tensor, Tensor, Tensor)",
+      "linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, Tensor input, "
+      "Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, Tensor? entropy, "
+      "bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
-      "Tensor? weight, bool[3] output_mask, " FUSED_CE_OPTION_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      "Tensor? weight, bool[3] output_mask" FUSED_CE_SCHEMA(
+          FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
-  m.def(
-      "_plan(Tensor input, Tensor linear_weight, Tensor target, str pass_, Tensor? linear_bias=None, "
-      "Tensor? weight=None, " FUSED_CE_OPTION_SCHEMA
-      ") -> (str pass_, str strategy, int block_rows, int tile_cols, int stats_block_rows, str logits_dtype, "
-      "float logits_scale, str grad_input_dtype, str grad_weight_dtype, float grad_scale, bool rank_one_smoothing, "
-      "bool rows_on_device, int budget_bytes, int workspace_bytes)",
-      &plan_of);
+  m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&plan_of>());
   m.def("_embedded_archs() -> int[]", &embedded_archs);
   m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
 }
@@ -258,7 +285,7 @@ TORCH_LIBRARY(fused_ce, m) {
 TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
   m.impl("_scale_grad_", &scale_grad_);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
-  m.impl("vocab_parallel_linear_cross_entropy", &vocab_parallel_linear_cross_entropy);
+  m.impl("_linear_cross_entropy", &linear_cross_entropy_all);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
 }
@@ -266,26 +293,26 @@ TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
 TORCH_LIBRARY_IMPL(fused_ce, CUDA, m) {
   m.impl("_scale_grad_", &scale_grad_);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
-  m.impl("vocab_parallel_linear_cross_entropy", &vocab_parallel_linear_cross_entropy);
+  m.impl("_linear_cross_entropy", &linear_cross_entropy_all);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
-  m.impl("vocab_parallel_linear_cross_entropy", &vocab_parallel_linear_cross_entropy_autograd);
+  m.impl("_linear_cross_entropy", &linear_cross_entropy_all_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCUDA, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
-  m.impl("vocab_parallel_linear_cross_entropy",
-         &vocab_parallel_linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+  m.impl("_linear_cross_entropy",
+         &linear_cross_entropy_all_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCPU, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
-  m.impl("vocab_parallel_linear_cross_entropy",
-         &vocab_parallel_linear_cross_entropy_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+  m.impl("_linear_cross_entropy",
+         &linear_cross_entropy_all_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
 }
 
 }  // namespace fused_ce

@@ -1,5 +1,27 @@
-// The loss options of the op's schema, parsed and checked once into one value
-// (LossOptions) that every later step takes whole.
+// The options of the ops' schemas, declared once, and LossOptions: their values parsed and checked once,
+// the one value every later step takes whole.
+//
+// Each list below is the one declaration of its options: X(C++ parameter type, name, schema type, default),
+// the default written once for both the schema and C++ (None, True and False are C++ names too, below). From it come
+// the schema text of every op that takes the group (ops.cpp), the C++ parameters and arguments of the ops' functions
+// (FUSED_CE_*_PARAMS / _ARGS), LossOptions' fields, its IValue round trip (what autograd saves), the autograd
+// function's argument count, and the Python front's keywords (fused_ce/functional.py reads them from the op's schema
+// and fails at import when one has no keyword).
+//
+// Where a new option goes:
+//   - a loss option every op takes (a logit transform like softcap, a loss term like z_loss): a line in
+//     FUSED_CE_LOSS_OPTIONS. It becomes an argument of the public op linear_cross_entropy too; append it
+//     with a default (graphs saved with the old schema keep loading) and never reorder the list.
+//   - an option of the internal ops only: FUSED_CE_OUTPUT_OPTIONS or FUSED_CE_SHARD_OPTIONS.
+//   Then check its value in LossOptions::parse (errors name the argument), make the stages that need it read
+//   it (a Problem field, a kernel argument), and add the keyword to the Python front.
+//
+// What a new output of the op (a per-row value such as the entropy) needs: a RowStats field (problem.h) that
+// the forward stages fill when a FUSED_CE_OUTPUT_OPTIONS flag asks for it (logit_partials/combine_partials,
+// row_stats, aten_stages), its combination over vocabulary shards (vocab_parallel.cpp), a return of
+// _linear_cross_entropy (ops.cpp, loss.cpp and the fake kernel in fused_ce/_fake.py), and, if it is
+// differentiable, a gradient input of linear_cross_entropy_backward and its term in the gradient
+// coefficients (GradCoefficients, loss_terms.cpp). The entropy and the argmax were added this way.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -8,74 +30,121 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
-// The options in schema order. The op signatures (ops.cpp, loss.h) expand these
-// instead of spelling the options out; adding an option touches these,
-// LossOptions (below and options.cpp) and the kernels that use it.
-// linear_cross_entropy takes the loss options; vocab_parallel_linear_cross_entropy
-// and the internal ops take them and the shard's (FUSED_CE_OPTION_*). The
-// public op's schema stays as it was, so that graphs saved with it (TorchScript,
-// torch.export, AOTInductor packages) keep loading.
-#define FUSED_CE_LOSS_OPTION_SCHEMA                                                              \
-  "str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, " \
-  "float? softcap=None, float logit_scale=1.0, int? workspace_bytes=None"
-#define FUSED_CE_LOSS_OPTION_PARAMS                                                        \
-  c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss, \
-      std::optional<double> softcap, double logit_scale, std::optional<int64_t> workspace_bytes
-#define FUSED_CE_LOSS_OPTION_ARGS \
-  reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes
-#define FUSED_CE_SHARD_OPTION_SCHEMA "str process_group=\"\", int vocab_start=0, int vocab_size=0, int max_shard_rows=0"
-#define FUSED_CE_SHARD_OPTION_PARAMS \
-  c10::string_view process_group, int64_t vocab_start, int64_t vocab_size, int64_t max_shard_rows
-#define FUSED_CE_SHARD_OPTION_ARGS process_group, vocab_start, vocab_size, max_shard_rows
-// The shard options' schema defaults: the whole vocabulary on one rank.
-#define FUSED_CE_NO_SHARD_ARGS "", 0, 0, 0
-#define FUSED_CE_OPTION_SCHEMA FUSED_CE_LOSS_OPTION_SCHEMA ", " FUSED_CE_SHARD_OPTION_SCHEMA
-#define FUSED_CE_OPTION_PARAMS FUSED_CE_LOSS_OPTION_PARAMS, FUSED_CE_SHARD_OPTION_PARAMS
-#define FUSED_CE_OPTION_ARGS FUSED_CE_LOSS_OPTION_ARGS, FUSED_CE_SHARD_OPTION_ARGS
+// The loss options, in the public op's schema order.
+#define FUSED_CE_LOSS_OPTIONS(X)                                    \
+  X(c10::string_view, reduction, "str", "mean")                     \
+  X(int64_t, ignore_index, "int", -100)                             \
+  X(double, label_smoothing, "float", 0.0)                          \
+  X(double, z_loss, "float", 0.0)                                   \
+  X(std::optional<double>, softcap, "float?", None)                 \
+  X(double, logit_scale, "float", 1.0)                              \
+  X(std::optional<int64_t>, workspace_bytes, "int?", None)          \
+  /* the lse of ignored rows too (a forward-only pass over them) */ \
+  X(bool, lse_of_ignored_rows, "bool", True)
+
+// Per-row outputs besides the loss and the lse, computed only when asked for.
+#define FUSED_CE_OUTPUT_OPTIONS(X)       \
+  X(bool, return_entropy, "bool", False) \
+  X(bool, return_argmax, "bool", False)
+
+// Vocabulary parallel (vocab_parallel.h): linear_weight (and linear_bias) hold classes [vocab_start,
+// vocab_start + rows) of vocab_size, the other shards (at most max_shard_rows rows each) being on the ranks
+// of the process group of this name (c10d's registry). "Not sharded" is "" and zeros (AOTInductor's proxy
+// executor mishandles str? and int[] arguments left at None or []).
+#define FUSED_CE_SHARD_OPTIONS(X)               \
+  X(c10::string_view, process_group, "str", "") \
+  X(int64_t, vocab_start, "int", 0)             \
+  X(int64_t, vocab_size, "int", 0)              \
+  X(int64_t, max_shard_rows, "int", 0)
+
+// Every option, in the internal ops' order.
+#define FUSED_CE_ALL_OPTIONS(X) FUSED_CE_LOSS_OPTIONS(X) FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_SHARD_OPTIONS(X)
+
+// Expansions of a list. Each item begins with a comma, so that a list follows the last tensor argument:
+// "Tensor? weight=None" FUSED_CE_SCHEMA(FUSED_CE_LOSS_OPTIONS), f(..., const at::Tensor& w
+// FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)).
+#define FUSED_CE_SCHEMA_ITEM(cpp_type, name, schema_type, default) ", " schema_type " " #name "=" #default
+#define FUSED_CE_PARAM_ITEM(cpp_type, name, ...) , cpp_type name
+#define FUSED_CE_ARG_ITEM(cpp_type, name, ...) , name
+#define FUSED_CE_DEFAULT_ITEM(cpp_type, name, schema_type, default) , cpp_type(default)
+#define FUSED_CE_COUNT_ITEM(...) +1
+#define FUSED_CE_SCHEMA(LIST) LIST(FUSED_CE_SCHEMA_ITEM)
+#define FUSED_CE_PARAMS(LIST) LIST(FUSED_CE_PARAM_ITEM)
+#define FUSED_CE_ARGS(LIST) LIST(FUSED_CE_ARG_ITEM)
+#define FUSED_CE_DEFAULTS(LIST) LIST(FUSED_CE_DEFAULT_ITEM)
 
 namespace fused_ce {
+
+// The schema's default values, as FUSED_CE_DEFAULTS spells them in C++.
+inline namespace schema_values {
+constexpr bool True = true;
+constexpr bool False = false;
+constexpr std::nullopt_t None = std::nullopt;
+}  // namespace schema_values
+
+// The number of options in each list.
+constexpr int kNumLossOptions = 0 FUSED_CE_LOSS_OPTIONS(FUSED_CE_COUNT_ITEM);
+constexpr int kNumOptions = 0 FUSED_CE_ALL_OPTIONS(FUSED_CE_COUNT_ITEM);
 
 // The values are the kernels' reduction codes (assemble_loss.py).
 enum class Reduction { None = 0, Mean = 1, Sum = 2 };
 
+namespace detail {
+// A field holds its option's value: a string view's as a string.
+template <typename T>
+struct Stored {
+  using type = T;
+};
+template <>
+struct Stored<c10::string_view> {
+  using type = std::string;
+};
+// f(rest...): a list expansion's items each begin with a comma, so a placeholder comes first.
+template <typename F, typename... Args>
+decltype(auto) call_without_first(F&& f, int, Args&&... args) {
+  return f(std::forward<Args>(args)...);
+}
+}  // namespace detail
+
 struct LossOptions {
-  Reduction reduction = Reduction::Mean;
-  int64_t ignore_index = -100;
-  double label_smoothing = 0.0;
-  double z_loss = 0.0;
-  std::optional<double> softcap;
-  double logit_scale = 1.0;
-  std::optional<int64_t> workspace_bytes;  // the caller's bound; the plan resolves the default
-  // Vocabulary parallel (vocab_parallel.h): linear_weight (and linear_bias) hold
-  // classes [vocab_start, vocab_start + rows) of vocab_size, the other shards
-  // (at most max_shard_rows rows each) being on the ranks of the process group
-  // of this name (c10d's registry); targets and class weights stay global. The
-  // schema spells "not sharded" as "" and zeros (AOTInductor's proxy executor
-  // mishandles str? and int[] arguments left at None or []).
-  std::optional<std::string> process_group;
-  int64_t vocab_start = 0;
-  int64_t vocab_size = 0;
-  int64_t max_shard_rows = 0;
+  // One field per option, named as in the schema, at its default. The plan resolves workspace_bytes'.
+#define FUSED_CE_FIELD_ITEM(cpp_type, name, schema_type, default) \
+  detail::Stored<cpp_type>::type name{cpp_type(default)};
+  FUSED_CE_ALL_OPTIONS(FUSED_CE_FIELD_ITEM)
+#undef FUSED_CE_FIELD_ITEM
+  Reduction reduction_kind = Reduction::Mean;  // `reduction` parsed
 
   // Checks every value; errors name the argument.
-  static LossOptions parse(FUSED_CE_OPTION_PARAMS);
+  static LossOptions parse(c10::string_view op FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
+  // The same for an op that takes only the loss options (the others at their defaults).
+  static LossOptions parse_loss(c10::string_view op FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS));
   // Autograd keeps the options as one saved entry.
   c10::IValue to_ivalue() const;
   static LossOptions from_ivalue(const c10::IValue& value);
+  // From every option's value in schema order (a boxed call's arguments).
+  static LossOptions from_ivalues(c10::string_view op, c10::ArrayRef<c10::IValue> values);
 
   // Label smoothing needs each row's (class-weighted) sum of logits and adds
   // the gamma term to the gradient: the one flag for both.
   bool smoothing() const { return label_smoothing > 0.0; }
-  bool scalar() const { return reduction != Reduction::None; }
-  bool vocab_parallel() const { return process_group.has_value(); }
-  const char* reduction_name() const;
+  bool scalar() const { return reduction_kind != Reduction::None; }
+  bool vocab_parallel() const { return !process_group.empty(); }
+  // Per-row statistics beyond the loss and the lse (the entropy, the argmax).
+  bool extra_outputs() const { return return_entropy || return_argmax; }
 
-  // f(reduction, ignore_index, ..., workspace_bytes): the schema's arguments, to call an op with.
+  // f(reduction, ignore_index, ...): every option in schema order, to call an op with.
   template <typename F>
   decltype(auto) apply(F&& f) const {
-    return f(c10::string_view(reduction_name()), ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-             workspace_bytes, c10::string_view(process_group.value_or("")), vocab_start, vocab_size, max_shard_rows);
+#define FUSED_CE_VALUE_ITEM(cpp_type, name, ...) , cpp_type(name)
+    return detail::call_without_first(f, 0 FUSED_CE_ALL_OPTIONS(FUSED_CE_VALUE_ITEM));
+  }
+  // The same with the loss options only (the public op's).
+  template <typename F>
+  decltype(auto) apply_loss(F&& f) const {
+    return detail::call_without_first(f, 0 FUSED_CE_LOSS_OPTIONS(FUSED_CE_VALUE_ITEM));
+#undef FUSED_CE_VALUE_ITEM
   }
 };
 

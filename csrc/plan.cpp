@@ -36,7 +36,9 @@ const ArchConstants& arch_constants(int arch) {
   return *fallback;
 }
 
-bool kernels_usable(const Problem& p) {
+}  // namespace
+
+bool uses_row_kernels(const Problem& p) {
   if (!p.x.is_cuda() || p.N == 0) return false;
   if (cuda_kernels_available(p)) return true;
   const auto dtype = p.x.scalar_type();
@@ -49,6 +51,8 @@ bool kernels_usable(const Problem& p) {
   return false;
 }
 
+namespace {
+
 // The rows per block actually used: at most `capacity`, in whole GEMM tiles,
 // and balanced so that the last block is not a short tail (a thin block runs
 // its GEMMs below their rate).
@@ -60,9 +64,17 @@ int64_t balanced_block_rows(int64_t N, int64_t capacity, int64_t tile_rows) {
   return cdiv(rows, quantum) * quantum;  // <= limit
 }
 
-// Rows of stored logits that fit in the budget.
-int64_t stored_logits_rows(const Problem& p, int64_t budget) {
-  return std::clamp<int64_t>(budget / cuda_logits_row_bytes(p), 1, std::max<int64_t>(p.N, 1));
+// Bytes per row of the buffers a block of selected rows adds (Plan::counted_rows_only): its rows of x
+// gathered and, with gradients, its rows of dX before they are scattered.
+int64_t gathered_row_bytes(const Problem& p, Pass pass, bool selected) {
+  if (!selected) return 0;
+  const int64_t x_row = p.D * int64_t{c10::elementSize(p.x.scalar_type())};
+  return pass == Pass::Forward ? x_row : 2 * x_row;
+}
+
+// Rows of stored logits (and their gathered rows) that fit in the budget.
+int64_t stored_logits_rows(const Problem& p, int64_t budget, int64_t gathered_bytes) {
+  return std::clamp<int64_t>(budget / (cuda_logits_row_bytes(p) + gathered_bytes), 1, std::max<int64_t>(p.N, 1));
 }
 
 // Plan::logits_scale of float16's stored logits.
@@ -74,7 +86,7 @@ constexpr double kFloat16LogitsScale = 1.0 / 256;
 // rows' ones) and for 'sum' without class weights; 2^14 leaves room for the z-loss term up to |lse| = 100.
 // 'sum' with class weights has c = the weight itself, unbounded: unit scale.
 double float16_grad_scale(const Problem& p, const LossOptions& o) {
-  if (o.reduction == Reduction::Sum && p.class_weight.defined()) return 1.0;
+  if (o.reduction_kind == Reduction::Sum && p.class_weight.defined()) return 1.0;
   return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(1.0 + 200.0 * o.z_loss))));
 }
 
@@ -100,19 +112,21 @@ at::ScalarType accumulate_dtype(at::ScalarType dtype, int64_t blocks) {
   return blocks > 1 ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
-// ATen: whole vocabulary rows in the loss dtype, as many rows as fit.
-void plan_aten_chunks(Plan& plan, const Problem& p) {
+// ATen: whole vocabulary rows in the loss dtype, as many rows as fit (at least one: a budget below one row of
+// logits gets one row).
+void plan_aten_chunks(Plan& plan, const Problem& p, bool selected) {
   plan.strategy = Strategy::AtenChunks;
   plan.logits_dtype = loss_dtype(p);
   const int64_t row_bytes = p.V * int64_t{c10::elementSize(plan.logits_dtype)};
-  plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / row_bytes, 1, std::max<int64_t>(p.N, 1));
+  const int64_t gathered = gathered_row_bytes(p, plan.pass, selected);
+  plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / (row_bytes + gathered), 1, std::max<int64_t>(p.N, 1));
   plan.tile_cols = p.V;
   if (plan.pass != Pass::Forward) {
     plan.grad_input_dtype = plan.logits_dtype;
     // one block along the reduced dimension, or float32 already
     plan.grad_weight_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.N, plan.block_rows));
   }
-  plan.workspace_bytes = std::min(plan.block_rows, p.N) * row_bytes;
+  plan.workspace_bytes = std::min(plan.block_rows, p.N) * (row_bytes + gathered);
 }
 
 // tl.dot gradient blocks of the recomputing backward: all rows at once and a
@@ -131,28 +145,51 @@ void plan_dot_tile_grads(Plan& plan, const Problem& p) {
   plan.workspace_bytes = plan.block_rows * ld * elem;
 }
 
-void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
+// The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
+// more) up to kInputDtypeAccumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
+// V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
+// within 1.5x of one rounding at any N (benchmarks/NOTES.md, step 18). An explicit workspace_bytes smaller
+// than that accumulator is a lean request: it keeps the input dtype, trading dW's accuracy for memory.
+at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
+  const int64_t accumulator_bytes = p.V * p.D * int64_t{4};
+  const bool lean = o.workspace_bytes.has_value() && *o.workspace_bytes < accumulator_bytes;
+  return blocks > kInputDtypeAccumulations && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
+}
+
+void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selected) {
   const ArchConstants& arch = arch_constants(device_arch(p.x.device().index()));
   const bool half = p.x.scalar_type() == at::kHalf;
   plan.rows_on_device = true;
   plan.logits_dtype = p.x.scalar_type();
-  const int64_t capacity = stored_logits_rows(p, plan.budget_bytes);
-  const int64_t row_bytes = cuda_logits_row_bytes(p);
+  const int64_t gathered = gathered_row_bytes(p, plan.pass, selected);
+  const int64_t capacity = stored_logits_rows(p, plan.budget_bytes, gathered);
+  const int64_t row_bytes = cuda_logits_row_bytes(p) + gathered;
+  // Stored cuBLAS logits where the budget has room for blocks of at least min_stored_rows rows (or all).
+  const bool stored = capacity >= arch.min_stored_rows || capacity == p.N;
   // (Its rank-one gradient terms are added at unit scale: not to float16's scaled gradient blocks.)
   const bool rank_one = o.smoothing() && p.class_weight.defined() && !p.softcap.has_value() && !half;
+  const auto stored_logits = [&](int64_t rows) {
+    plan.strategy = Strategy::StoredLogits;
+    plan.logits_scale = half ? kFloat16LogitsScale : 1.0;
+    plan.block_rows = rows;
+    plan.tile_cols = p.V;
+    plan.workspace_bytes = rows * row_bytes;
+  };
   if (plan.pass == Pass::Backward) {
-    plan.strategy = Strategy::DotTiles;
-    plan_dot_tile_grads(plan, p);
+    if (stored) {  // the gradient blocks from cuBLAS logits, each row's dX written once
+      stored_logits(balanced_block_rows(p.N, capacity, arch.gemm_tile_rows));
+      plan.grad_input_dtype = plan.logits_dtype;
+      plan.grad_weight_dtype = grad_weight_dtype(p, o, plan.logits_dtype, cdiv(p.N, plan.block_rows));
+    } else {
+      plan.strategy = Strategy::DotTiles;
+      plan_dot_tile_grads(plan, p);
+    }
     return;
   }
   if (plan.pass == Pass::Forward) {
-    if (capacity >= arch.min_stored_rows || capacity == p.N) {
-      plan.strategy = Strategy::StoredLogits;
-      plan.logits_scale = half ? kFloat16LogitsScale : 1.0;
-      plan.block_rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
-      plan.tile_cols = p.V;
+    if (stored) {
+      stored_logits(balanced_block_rows(p.N, capacity, arch.gemm_tile_rows));
       plan.rank_one_smoothing = rank_one;
-      plan.workspace_bytes = plan.block_rows * row_bytes;
     } else {  // no room for cuBLAS-sized blocks: tl.dot tiles reduced in registers
       plan.strategy = Strategy::DotTiles;
       plan.block_rows = p.N;
@@ -161,15 +198,10 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
     return;
   }
   const int64_t rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
-  // (2-D tiles are not taught float16's scales.)
-  const int64_t cols = half ? 0 : vocab_tile_cols(p, arch, plan.budget_bytes, rows);
+  // (2-D tiles are not taught float16's scales, nor selected rows.)
+  const int64_t cols = half || selected ? 0 : vocab_tile_cols(p, arch, plan.budget_bytes, rows);
   plan.rank_one_smoothing = rank_one;
-  // Each row's dX is written once. dW accumulates across row blocks: in the
-  // input dtype (each block's sum rounded once more) up to
-  // kInputDtypeAccumulations blocks, in float32 beyond (a V x D float32
-  // accumulator, 2 GiB at V = 128256, D = 4096, held while the gradient is
-  // computed, outside workspace_bytes) so that its error stays within 1.5x of
-  // one rounding at any N (benchmarks/NOTES.md, step 18).
+  // Each row's dX is written once; dW accumulates across row blocks (grad_weight_dtype).
   plan.grad_input_dtype = plan.logits_dtype;
   if (cols > 0) {
     plan.strategy = Strategy::VocabTiles;
@@ -179,46 +211,100 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o) {
     plan.workspace_bytes =
         std::max(rows * row_bytes, plan.block_rows * cols * int64_t{c10::elementSize(p.x.scalar_type())});
   } else {
-    plan.strategy = Strategy::StoredLogits;
-    plan.logits_scale = half ? kFloat16LogitsScale : 1.0;
-    plan.block_rows = rows;
-    plan.tile_cols = p.V;
-    plan.workspace_bytes = rows * row_bytes;
+    stored_logits(rows);
   }
-  // An explicit workspace_bytes smaller than that accumulator is a lean
-  // request: it keeps the input dtype, trading dW's accuracy for memory.
-  const int64_t accumulator_bytes = p.V * p.D * int64_t{4};
-  const bool lean = o.workspace_bytes.has_value() && *o.workspace_bytes < accumulator_bytes;
-  plan.grad_weight_dtype = cdiv(p.N, plan.block_rows) > kInputDtypeAccumulations && !lean
-                               ? at::promote_types(plan.logits_dtype, at::kFloat)
-                               : plan.logits_dtype;
+  plan.grad_weight_dtype = grad_weight_dtype(p, o, plan.logits_dtype, cdiv(p.N, plan.block_rows));
   if (half) {  // gradient blocks at a scale, float32 gradients (Plan::grad_scale)
     plan.grad_scale = float16_grad_scale(p, o);
     plan.grad_input_dtype = plan.grad_weight_dtype = at::kFloat;
   }
 }
 
+// The plan of problem p's N rows, all of them or (`selected`) rows gathered from a larger x.
+Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected) {
+  Plan plan;
+  plan.pass = pass;
+  plan.rows = p.N;
+  plan.counted_rows_only = selected;
+  plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
+  if (uses_row_kernels(p)) {
+    plan_kernels(plan, p, o, selected);
+  } else {
+    plan_aten_chunks(plan, p, selected);
+  }
+  return plan;
+}
+
+// A plan's GEMM time and dW re-reads across row blocks (s, from the architecture's rates): what choosing the
+// counted rows weighs.
+double estimated_seconds(const Plan& plan, const Problem& p, const ArchConstants& arch) {
+  const bool grads = plan.pass != Pass::Forward;
+  const double gemm_flops = (grads ? 6.0 : 2.0) * static_cast<double>(plan.rows) * p.D * p.V;
+  const int64_t blocks = plan.block_rows > 0 ? cdiv(plan.rows, plan.block_rows) : 0;
+  const double dw_bytes = grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
+                              ? (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(plan.grad_weight_dtype)
+                              : 0.0;
+  return gemm_flops / arch.gemm_flops_per_s + dw_bytes / arch.memory_bytes_per_s;
+}
+
+// Whether the counted rows' plan beats all rows': less estimated time, no larger dW accumulator, and a strategy
+// that gathers rows block by block (the lean ones, vocab_tiles and dot_tiles, would gather every row at once).
+bool counted_rows_pay(const Plan& counted, const Plan& all, const Problem& p) {
+  if (counted.strategy != Strategy::StoredLogits && counted.strategy != Strategy::AtenChunks) return false;
+  if (counted.grad_weight_dtype != all.grad_weight_dtype &&
+      c10::elementSize(counted.grad_weight_dtype) > c10::elementSize(all.grad_weight_dtype)) {
+    return false;
+  }
+  const ArchConstants& arch = arch_constants(p.x.is_cuda() ? device_arch(p.x.device().index()) : 0);
+  return estimated_seconds(counted, p, arch) < estimated_seconds(all, p, arch);
+}
+
 }  // namespace
 
-Plan make_plan(const Problem& p, const LossOptions& o, Pass pass) {
+Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted) {
   TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar(),
                     "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
   if (o.vocab_parallel() && p.V != o.max_shard_rows) {
     // Every rank plans for the largest shard, so that all take the same row blocks (and so the same
-    // collectives: vocab_parallel.h).
+    // collectives: vocab_parallel.h); the targets, and so the counted rows, are the same on every rank.
     Problem largest = p;
     largest.V = o.max_shard_rows;
-    return make_plan(largest, o, pass);
+    return make_plan(largest, o, pass, counted);
   }
-  Plan plan;
-  plan.pass = pass;
-  plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
-  if (kernels_usable(p)) {
-    plan_kernels(plan, p, o);
-  } else {
-    plan_aten_chunks(plan, p);
-  }
-  return plan;
+  if (p.row_index.defined()) return plan_rows(p, o, pass, /*selected=*/true);  // a selection already
+  const Plan all = plan_rows(p, o, pass, /*selected=*/false);
+  if (counted < 0 || counted >= p.N) return all;
+  Problem counted_rows = p;
+  counted_rows.N = counted;
+  const Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true);
+  return counted_rows_pay(selected, all, p) ? selected : all;
+}
+
+std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
+  const auto dtype = [](at::ScalarType t) {
+    return std::string(t == at::ScalarType::Undefined ? "" : c10::toString(t));
+  };
+  const auto pass = plan.pass == Pass::Forward    ? "forward"
+                    : plan.pass == Pass::Backward ? "backward"
+                                                  : "forward_with_grad";
+  return {
+      {"pass_", std::string(pass)},
+      {"strategy", std::string(strategy_name(plan.strategy))},
+      {"counted_rows_only", plan.counted_rows_only},
+      {"rows", plan.rows},
+      {"block_rows", plan.block_rows},
+      {"tile_cols", plan.tile_cols},
+      {"stats_block_rows", plan.stats_block_rows},
+      {"logits_dtype", dtype(plan.logits_dtype)},
+      {"logits_scale", plan.logits_scale},
+      {"grad_input_dtype", dtype(plan.grad_input_dtype)},
+      {"grad_weight_dtype", dtype(plan.grad_weight_dtype)},
+      {"grad_scale", plan.grad_scale},
+      {"rank_one_smoothing", plan.rank_one_smoothing},
+      {"rows_on_device", plan.rows_on_device},
+      {"budget_bytes", plan.budget_bytes},
+      {"workspace_bytes", plan.workspace_bytes},
+  };
 }
 
 const char* strategy_name(Strategy s) {

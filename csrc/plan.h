@@ -1,10 +1,13 @@
 // What a call will do, decided in one place (make_plan) from the problem, the
-// options, the device and the workspace budget; the executors (executors.h)
-// carry it out and decide nothing. torch.ops.fused_ce._plan shows it to Python
-// (fused_ce.plan), so tests and benchmarks see the path a call takes.
+// options, the device, the workspace budget and the number of counted rows; the
+// executors (executors.h) carry it out and decide nothing. torch.ops.fused_ce._plan
+// shows it to Python (fused_ce.plan), so tests and benchmarks see the path a call takes.
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <utility>
+#include <vector>
 
 #include "options.h"
 #include "problem.h"
@@ -35,9 +38,17 @@ enum class Strategy {
   VocabTiles,
 };
 
+// The fields are listed once more in plan_fields (plan.cpp), which _plan's schema and fused_ce.Plan come from.
 struct Plan {
   Pass pass = Pass::Forward;
   Strategy strategy = Strategy::AtenChunks;
+  // The executors run on the counted rows only (Problem::select_rows): each row block gathers its rows of x
+  // and scatters its rows of dX (two row-sized buffers within the budget), ignored rows get exact zeros, and
+  // their lse, where asked for, comes from a forward pass over them. Decided from the count the class-index
+  // check reads; all rows where it is not read (CUDA graph capture) or where selecting would cost more dW
+  // accumulation than it saves in rows.
+  bool counted_rows_only = false;
+  int64_t rows = 0;                          // rows the executors run on: the counted ones, or all
   int64_t block_rows = 0;                    // rows of logits per block
   int64_t tile_cols = 0;                     // vocabulary columns per block (V: whole rows)
   int64_t stats_block_rows = 0;              // VocabTiles: rows per block of its stats pass; else 0
@@ -65,7 +76,16 @@ struct Plan {
   int64_t workspace_bytes = 0;  // bytes of logit blocks (and their partials) held at once
 };
 
-Plan make_plan(const Problem& p, const LossOptions& o, Pass pass);
+// `counted`: the rows whose target counts (CountedRows::counted, targets.h), -1 where not known. A problem
+// of selected rows (Problem::row_index) is planned as one.
+Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted = -1);
+
+// Whether the per-row bookkeeping runs in kernels (Plan::rows_on_device), known before the targets are
+// prepared: the device has a cubin for every stage.
+bool uses_row_kernels(const Problem& p);
+
+// The plan's fields as (name, value): what _plan returns, in this order, and what its schema declares.
+std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan);
 
 const char* strategy_name(Strategy s);
 Pass parse_pass(c10::string_view name);

@@ -1,27 +1,10 @@
 #include "problem.h"
 
-#include <algorithm>
-#include <atomic>
-#include <functional>
-#include <map>
-#include <mutex>
+#include <vector>
 
-#include "cuda_driver.h"
-#include "cuda_stages.h"
 #include "format.h"
-#include "loss_terms.h"
-#include "plan.h"
 
 namespace fused_ce {
-
-Problem Problem::rows(int64_t begin, int64_t end) const {
-  Problem p = *this;
-  p.x = x.narrow(0, begin, end - begin);
-  p.target = target.narrow(0, begin, end - begin);
-  if (target_weight.defined()) p.target_weight = target_weight.narrow(0, begin, end - begin);
-  p.N = end - begin;
-  return p;
-}
 
 namespace {
 
@@ -29,7 +12,35 @@ at::Tensor slice(const at::Tensor& t, int64_t begin, int64_t end) {
   return t.defined() ? t.narrow(0, begin, end - begin) : t;
 }
 
+at::Tensor select(const at::Tensor& t, const at::Tensor& index) {
+  return t.defined() ? t.index_select(0, index) : t;
+}
+
 }  // namespace
+
+Problem Problem::rows(int64_t begin, int64_t end) const {
+  Problem p = *this;
+  p.x = row_index.defined() ? x.index_select(0, row_index.narrow(0, begin, end - begin))
+                            : x.narrow(0, begin, end - begin);
+  p.row_index = at::Tensor();
+  p.target = target.narrow(0, begin, end - begin);
+  p.target_weight = slice(target_weight, begin, end);
+  p.N = end - begin;
+  return p;
+}
+
+at::Tensor Problem::rows_x() const {
+  return row_index.defined() ? x.index_select(0, row_index) : x;
+}
+
+Problem Problem::select_rows(const at::Tensor& index) const {
+  Problem p = *this;
+  p.row_index = row_index.defined() ? row_index.index_select(0, index) : index;
+  p.target = target.index_select(0, index);
+  p.target_weight = select(target_weight, index);
+  p.N = index.numel();
+  return p;
+}
 
 Problem vocab_shard(const Problem& p, const LossOptions& o) {
   if (!o.vocab_parallel()) return p;
@@ -55,6 +66,11 @@ Problem Problem::cols(int64_t begin, int64_t end) const {
 GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
   return {slice(lse, begin, end), slice(alpha, begin, end), slice(alpha_lse, begin, end), slice(beta, begin, end),
           slice(gamma, begin, end)};
+}
+
+GradCoefficients GradCoefficients::select_rows(const at::Tensor& index) const {
+  return {select(lse, index), select(alpha, index), select(alpha_lse, index), select(beta, index),
+          select(gamma, index)};
 }
 
 GradCoefficients GradCoefficients::scaled(double s) const {
@@ -108,7 +124,7 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   TORCH_CHECK(linear_weight.device() == input.device(), "linear_cross_entropy: linear_weight is on ",
               linear_weight.device().str(), " but input is on ", input.device().str());
   TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
-              "linear_cross_entropy: target must hold class indices (int64 or int32); class-probability targets "
+              "linear_cross_entropy: target must hold class indices (an integer tensor); class-probability targets "
               "are not supported");
   const auto tdtype = target.scalar_type();
   TORCH_CHECK(
@@ -117,6 +133,14 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   TORCH_CHECK(target.device() == input.device(), "linear_cross_entropy: target is on ", target.device().str(),
               " but input is on ", input.device().str());
   const auto batch = input.sizes().slice(0, input.dim() - 1);
+  // A target shaped like the logits would be class probabilities in torch, which raises RuntimeError for an
+  // integer one; so does this.
+  std::vector<int64_t> logits_shape(batch.begin(), batch.end());
+  logits_shape.push_back(V);
+  TORCH_CHECK(target.sizes() != at::IntArrayRef(logits_shape),
+              "linear_cross_entropy: target has the shape of the logits ", shape(target.sizes()),
+              ", which means class probabilities; those must be floating point and are not supported (class "
+              "indices have the input's shape without its last dimension)");
   TORCH_CHECK_VALUE(target.sizes() == batch, "linear_cross_entropy: target shape ", shape(target.sizes()),
                     " must equal input shape without its last dimension ", shape(batch));
 
@@ -150,65 +174,6 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   }
   p.target = target.reshape({p.N}).to(at::kLong).contiguous();
   return p;
-}
-
-namespace {
-
-// Bad class indices counted under CUDA graph capture, per device, for the next call outside capture to report.
-// Allocated under capture, so each replay counts afresh: the tally is the latest replay's.
-std::mutex captured_bad_mutex;
-std::map<int, at::Tensor> captured_bad;
-std::atomic<bool> captured_any{false};
-
-// The class-index check of the device path. prepare_rows already made bad indices ignored rows (nothing is
-// read out of bounds). Outside a CUDA graph capture: one host read of the count, an IndexError now (and,
-// once anything was captured, one more read, of the captured calls' tally). Under capture, where a host read
-// is not allowed: the count goes to the device's tally, for the next call outside capture to report, and is
-// returned, to turn this call's loss NaN.
-at::Tensor check_on_device(const Problem& p, const at::Tensor& bad, const std::function<void()>& error) {
-  const int device = p.x.device().index();
-  if (stream_capturing(p.x.device())) {
-    std::lock_guard<std::mutex> lock(captured_bad_mutex);
-    at::Tensor& tally = captured_bad[device];
-    if (!tally.defined()) tally = at::zeros_like(bad);
-    tally.add_(bad);
-    captured_any = true;
-    return bad;
-  }
-  if (captured_any) {
-    std::lock_guard<std::mutex> lock(captured_bad_mutex);
-    auto it = captured_bad.find(device);
-    if (it != captured_bad.end() && it->second.item<int>() != 0) {
-      it->second.zero_();
-      TORCH_CHECK_INDEX(false, "linear_cross_entropy: a call replayed from a CUDA graph saw class indices outside [0, ",
-                        num(p.V),
-                        ") that are not ignore_index (its loss was NaN, those rows counted as ignored); "
-                        "reported by the first call outside capture since");
-    }
-  }
-  if (bad.item<int>() != 0) error();
-  return at::Tensor();
-}
-
-}  // namespace
-
-void prepare_targets(Problem& p, const LossOptions& o, const Plan& plan, bool check, GradCoefficients* unit) {
-  const at::Tensor t = p.target;
-  const auto bad_targets_error = [&] {
-    TORCH_CHECK_INDEX(false, "linear_cross_entropy: target holds class indices outside [0, ", num(p.V),
-                      ") that are not ignore_index (", num(o.ignore_index), ")");
-  };
-  if (plan.rows_on_device) {
-    const at::Tensor bad = cuda_prepare_rows(p, t, o, unit);
-    if (check) p.unreported_bad_targets = check_on_device(p, bad, bad_targets_error);
-    return;
-  }
-  const at::Tensor ignored = t.eq(o.ignore_index);
-  if (check && p.N > 0) {
-    if (ignored.logical_not().logical_and_(t.lt(0).logical_or_(t.ge(p.V))).any().item<bool>()) bad_targets_error();
-  }
-  p.target = at::where(ignored, -1, t).contiguous();
-  if (unit != nullptr) *unit = unit_grad_coefficients(p, o);
 }
 
 }  // namespace fused_ce

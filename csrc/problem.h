@@ -1,6 +1,7 @@
 // The problem a call solves, as 2-D tensors, with the per-row values every stage
 // reads. Built once per op call (make_problem: argument checks, no device work);
-// its targets are prepared once the plan is known (prepare_targets).
+// its targets are prepared next (prepare_targets, targets.h), and the executors may
+// run on its counted rows only (select_rows).
 //
 // Every stage works on the logits z = softcap(logit_scale * (x @ w.T + b)).
 #pragma once
@@ -13,14 +14,16 @@
 
 namespace fused_ce {
 
-struct Plan;
-
 struct Problem {
-  at::Tensor x;             // [N, D], any strides
+  // [N, D], any strides; where rows are selected (row_index), the source rows [N_source, D]
+  at::Tensor x;
   at::Tensor w;             // [V, D], any strides
   at::Tensor bias;          // [V] or undefined
-  at::Tensor class_weight;  // [V] float32 (float64 for float64 inputs) contiguous, or undefined
+  at::Tensor class_weight;  // [V] in the loss dtype (loss_dtype) contiguous, or undefined
   at::Tensor target;        // [N] int64 contiguous; ignored rows hold -1 (prepare_targets)
+  // The rows of x this problem is about ([N] int64, ascending), where they are a selection (select_rows):
+  // rows() gathers them; undefined where x holds the rows themselves.
+  at::Tensor row_index;
   // Set where the rows were prepared on the device (cuda_prepare_rows), else undefined:
   at::Tensor target_weight;  // [N] float32: the target's class weight (1 without), 0 where ignored
   at::Tensor totals;         // [3] float32: sum of target_weight, rows counted, sum of the class weights
@@ -34,17 +37,24 @@ struct Problem {
   int64_t N = 0, V = 0, D = 0;
   int64_t col_offset = 0;  // first class of w (a vocabulary slice); targets stay absolute class indices
 
-  Problem rows(int64_t begin, int64_t end) const;  // same problem on rows [begin, end)
+  // The same problem on rows [begin, end): views, or, for selected rows, their x gathered (contiguous).
+  Problem rows(int64_t begin, int64_t end) const;
   Problem cols(int64_t begin, int64_t end) const;  // on classes [begin, end) of this problem's w
+  // The problem of rows `index` ([K] int64 of this problem's rows, ascending): targets and target weights
+  // selected now, x gathered block by block (rows()).
+  Problem select_rows(const at::Tensor& index) const;
+  // x of these rows: x itself, or the selected rows gathered.
+  at::Tensor rows_x() const;
 };
 
 // The loss's cross-entropy term per row is target_gap + log_sum: no cancellation between large numbers
 // (lse - z_target would lose everything below the lse's rounding, e.g. 2.0 instead of log 8 at logits of 2^24).
+// All [N] in the loss dtype (loss_dtype).
 struct RowStats {
-  at::Tensor lse;                                   // [N] float32: max + log_sum
-  at::Tensor target_gap;                            // [N] float32: max - z[r, target] (0 where the target is ignored)
-  at::Tensor log_sum;                               // [N] float32: log sum_c exp(z[r, c] - max), in [0, log V]
-  at::Tensor weighted_z_sum;                        // [N] float32, with label smoothing only: sum_c cw[c] * z[r, c]
+  at::Tensor lse;                                   // max + log_sum
+  at::Tensor target_gap;                            // max - z[r, target] (0 where the target is ignored)
+  at::Tensor log_sum;                               // log sum_c exp(z[r, c] - max), in [0, log V]
+  at::Tensor weighted_z_sum;                        // with label smoothing only: sum_c cw[c] * z[r, c]
   RowStats rows(int64_t begin, int64_t end) const;  // views of rows [begin, end)
   void copy_(const RowStats& part) const;           // part's values into these (same rows)
   // Uninitialised stats of p's rows in the loss dtype; weighted_z_sum only with `weighted_sums`.
@@ -56,9 +66,10 @@ struct RowStats {
 // (the z-loss term is proportional to the lse, which the fused forward only
 // knows inside the kernel). `lse` may be undefined where the stage computes it.
 struct GradCoefficients {
-  at::Tensor lse, alpha, alpha_lse, beta, gamma;  // [N] float32 contiguous
+  at::Tensor lse, alpha, alpha_lse, beta, gamma;  // [N] in the loss dtype, contiguous
   GradCoefficients rows(int64_t begin, int64_t end) const;
   GradCoefficients scaled(double s) const;  // the gradient times s (lse as it is)
+  GradCoefficients select_rows(const at::Tensor& index) const;
 };
 
 // The dtype of the loss and of the ATen stages' arithmetic: float64 for float64 inputs, else float32.
@@ -75,12 +86,5 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
 // first one and -1 where another shard holds them (or the row is ignored).
 // Without vocabulary parallelism, p itself.
 Problem vocab_shard(const Problem& p, const LossOptions& o);
-
-// Marks ignored rows (-1) and, where the plan runs the per-row bookkeeping on
-// the device, sets target_weight and totals in one launch (cuda_prepare_rows).
-// With `check`, a class index outside [0, V) that is not ignore_index is an
-// error: one host read; under CUDA graph capture none (check_on_device in problem.cpp). With `unit`, also the gradient
-// coefficients of the scalar loss for an upstream gradient of 1.
-void prepare_targets(Problem& p, const LossOptions& o, const Plan& plan, bool check, GradCoefficients* unit);
 
 }  // namespace fused_ce

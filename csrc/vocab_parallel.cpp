@@ -24,7 +24,7 @@ void all_reduce_(const at::Tensor& t, const char* reduce_op, const std::string& 
 
 void combine_vocab_shards(const Problem& shard, const RowStats& s, const LossOptions& o) {
   if (shard.N == 0) return;  // the same tokens on every rank: all return here
-  const std::string& group = *o.process_group;
+  const std::string& group = o.process_group;
   // The reference L = max over ranks of their lse (>= their max logit, so every exp below is <= 1).
   const at::Tensor reference = s.lse.clone();
   all_reduce_(reference, "max", group);

@@ -1,19 +1,42 @@
 """Fake (meta) kernels: output shapes and dtypes without computing anything.
 
-The options after ``reduction`` (csrc/options.h) do not change any shape, so they pass as ``*options``.
+They are also the ops' kernels for meta tensors, so they check the devices as the real kernels do: a meta
+tensor mixed with others is an error, as in torch, never an uninitialised result. Options pass by name
+(csrc/options.h); only ``reduction``, ``return_entropy`` and ``return_argmax`` change a shape.
 """
 
 import torch
+
+
+def _arguments(op, args, kwargs):
+    """The call's arguments by schema name, defaults filled in (a fake kernel is called as the op was)."""
+    values = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            values[a.name] = args[i]
+        elif a.name in kwargs:
+            values[a.name] = kwargs[a.name]
+        else:
+            values[a.name] = a.default_value
+    return values
 
 
 def _loss_dtype(input):
     return torch.float64 if input.dtype == torch.float64 else torch.float32
 
 
-@torch.library.register_fake("fused_ce::linear_cross_entropy")
-def _linear_cross_entropy_fake(
-    input, linear_weight, target, linear_bias=None, weight=None, reduction="mean", *options, **keyword_options
-):
+def _check_devices(input, *tensors):
+    for t in tensors:
+        torch._check(
+            t is None or t.device == input.device,
+            lambda t=t: (
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{input.device} and {t.device}!"
+            ),
+        )
+
+
+def _outputs(input, linear_weight, target, linear_bias, weight, reduction, return_entropy, return_argmax):
     torch._check(input.dim() >= 1, lambda: "linear_cross_entropy: input must have at least one dimension")
     torch._check(linear_weight.dim() == 2, lambda: "linear_cross_entropy: linear_weight must be 2-D [V, D]")
     torch._check(
@@ -23,12 +46,26 @@ def _linear_cross_entropy_fake(
         reduction in ("mean", "sum", "none"),
         lambda: f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '{reduction}'",
     )
+    _check_devices(input, linear_weight, target, linear_bias, weight)
     lse = input.new_empty(target.shape, dtype=_loss_dtype(input))
     loss = lse.new_empty(target.shape) if reduction == "none" else lse.new_empty(())
-    return loss, lse
+    entropy = lse.new_empty(target.shape if return_entropy else (0,))
+    argmax = input.new_empty(target.shape if return_argmax else (0,), dtype=torch.int64)
+    return loss, lse, entropy, argmax
 
 
-torch.library.register_fake("fused_ce::vocab_parallel_linear_cross_entropy")(_linear_cross_entropy_fake)
+@torch.library.register_fake("fused_ce::linear_cross_entropy")
+def _linear_cross_entropy_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce.linear_cross_entropy.default, args, kwargs)
+    tensors = (a["input"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
+    return _outputs(*tensors, a["reduction"], False, False)[:2]
+
+
+@torch.library.register_fake("fused_ce::_linear_cross_entropy")
+def _linear_cross_entropy_all_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce._linear_cross_entropy.default, args, kwargs)
+    tensors = (a["input"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
+    return _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
 
 
 def _grads(input, linear_weight, linear_bias, output_mask):
@@ -39,34 +76,26 @@ def _grads(input, linear_weight, linear_bias, output_mask):
 
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy_backward")
-def _linear_cross_entropy_backward_fake(
-    grad_loss,
-    grad_lse,
-    input,
-    linear_weight,
-    target,
-    linear_bias,
-    weight,
-    lse,
-    output_mask,
-    *options,
-    **keyword_options,
-):
-    return _grads(input, linear_weight, linear_bias, output_mask)
+def _linear_cross_entropy_backward_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce.linear_cross_entropy_backward.default, args, kwargs)
+    input = a["input"]
+    _check_devices(input, a["linear_weight"], a["target"], a["linear_bias"], a["weight"], a["grad_loss"], a["lse"])
+    return _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
 
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy_with_grad")
-def _linear_cross_entropy_with_grad_fake(
-    input, linear_weight, target, linear_bias, weight, output_mask, reduction="mean", *options, **keyword_options
-):
+def _linear_cross_entropy_with_grad_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce.linear_cross_entropy_with_grad.default, args, kwargs)
     torch._check(
-        reduction in ("mean", "sum"), lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'"
+        a["reduction"] in ("mean", "sum"), lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'"
     )
-    loss, lse = _linear_cross_entropy_fake(input, linear_weight, target, linear_bias, weight, reduction)
-    grads = _grads(input, linear_weight, linear_bias, output_mask)
+    input = a["input"]
+    tensors = (input, a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
+    outputs = _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
+    grads = _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
     if input.dtype == torch.float16:  # float32 until the backward scales them (csrc/loss.h)
         grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
-    return (loss, lse, *grads)
+    return (*outputs, *grads)
 
 
 @torch.library.register_fake("fused_ce::_scale_grad_")

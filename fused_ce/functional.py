@@ -1,5 +1,10 @@
-"""The functional front: a drop-in for ``torch.nn.functional.linear_cross_entropy``, and the plan of a call."""
+"""The functional front: a drop-in for ``torch.nn.functional.linear_cross_entropy``, and the plan of a call.
 
+The ops' options are declared once, in C++ (csrc/options.h); this module reads their names from the ops'
+schemas and passes them by name, and fails at import when an option of the schema has no value here.
+"""
+
+import math
 from typing import Literal, NamedTuple, overload
 
 import torch
@@ -7,22 +12,69 @@ from torch import Tensor
 from typing_extensions import TypedDict, Unpack
 
 
-def _op_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, shard=None):
-    """The op's option arguments, in schema order (csrc/options.h); `shard`: (group name, vocab_start, sizes)."""
+def _option_names(op) -> tuple[str, ...]:
+    """An op's options, in schema order: its arguments after the tensors it begins with."""
+    arguments = op.default._schema.arguments
+    return tuple(a.name for a in arguments if "Tensor" not in str(a.type))
+
+
+_ALL_OPTIONS = _option_names(torch.ops.fused_ce._linear_cross_entropy)  # the op every front can call
+_LOSS_OPTIONS = _option_names(torch.ops.fused_ce.linear_cross_entropy)  # the public op's (saved graphs)
+
+
+def _op_options(
+    *,
+    reduction="mean",
+    ignore_index=-100,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    logit_scale=1.0,
+    workspace_bytes=None,
+    lse_of_ignored_rows=True,
+    return_entropy=False,
+    return_argmax=False,
+    shard=None,
+):
+    """The ops' option arguments by name (csrc/options.h); ``shard``: (group name, vocab_start, shard sizes)."""
     group, vocab_start, sizes = shard if shard is not None else ("", 0, [0])
-    return (
-        reduction,
-        -100 if ignore_index is None else ignore_index,
-        float(label_smoothing),
-        float(z_loss),
-        None if softcap is None else float(softcap),
-        float(logit_scale),
-        workspace_bytes,
-        group,
-        vocab_start,
-        sum(sizes),
-        max(sizes),
+    options = dict(
+        reduction=reduction,
+        ignore_index=-100 if ignore_index is None else int(ignore_index),
+        label_smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+        softcap=None if softcap is None else float(softcap),
+        logit_scale=float(logit_scale),
+        workspace_bytes=workspace_bytes,
+        lse_of_ignored_rows=bool(lse_of_ignored_rows),
+        return_entropy=bool(return_entropy),
+        return_argmax=bool(return_argmax),
+        process_group=group,
+        vocab_start=vocab_start,
+        vocab_size=sum(sizes),
+        max_shard_rows=max(sizes),
     )
+    if set(options) != set(_ALL_OPTIONS):  # also checked at import, below
+        raise ImportError(
+            f"fused_ce: the Python front sets the options {sorted(options)} but the ops declare {list(_ALL_OPTIONS)} "
+            "(csrc/options.h): give each new option a keyword here"
+        )
+    return options
+
+
+_DEFAULT_OPTIONS = _op_options()  # fails at import when the ops' options and the front's differ
+
+
+def _call(input, linear_weight, target, linear_bias, weight, options):
+    """(loss, lse, entropy, argmax): the public op where its options suffice (the op saved graphs hold), else
+    the op with every option."""
+    public = all(options[name] == value for name, value in _DEFAULT_OPTIONS.items() if name not in _LOSS_OPTIONS)
+    if public:
+        loss, lse = torch.ops.fused_ce.linear_cross_entropy(
+            input, linear_weight, target, linear_bias, weight, **{name: options[name] for name in _LOSS_OPTIONS}
+        )
+        return loss, lse, None, None
+    return torch.ops.fused_ce._linear_cross_entropy(input, linear_weight, target, linear_bias, weight, **options)
 
 
 def _vocab_parallel(input, linear_weight, target, linear_bias, weight, process_group, vocab_start):
@@ -91,18 +143,23 @@ def linear_cross_entropy(
 ) -> Tensor | tuple[Tensor, Tensor]:
     r"""Cross entropy of ``input @ linear_weight.T (+ linear_bias)`` against ``target``, without the logits.
 
-    Same arguments and semantics as :func:`torch.nn.functional.linear_cross_entropy`
-    (class-index targets), i.e. ``F.cross_entropy(F.linear(input, linear_weight,
-    linear_bias).float(), target, weight=weight, ignore_index=ignore_index,
-    reduction=reduction, label_smoothing=label_smoothing)``, but the ``[N, V]``
-    logits are never held: memory beyond inputs and gradients is bounded by
-    ``workspace_bytes``.
+    The arguments and semantics of :func:`torch.nn.functional.linear_cross_entropy` (class-index targets),
+    i.e. ``F.cross_entropy(F.linear(input, linear_weight, linear_bias).float(), target, weight=weight,
+    ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)``, but the ``[N, V]``
+    logits are never held: memory beyond inputs and gradients is bounded by ``workspace_bytes``. Beyond
+    torch's: ``input`` may have any number of leading dimensions (``[..., D]``; torch's takes ``[D]`` or
+    ``[N, D]``), targets any integer dtype, and the keywords ``z_loss`` to ``vocab_start`` below.
+
+    Rows whose target is ``ignore_index`` cost no gradient work: their logits are neither computed nor
+    multiplied back (fused_ce.plan(...).counted_rows_only says where that applies).
 
     Args:
         input: ``[..., D]`` float32, bfloat16 or float16.
-        linear_weight: ``[V, D]``, same dtype as ``input``.
-        target: ``[...]`` class indices (int64 or int32) in ``[0, V)`` or ``ignore_index``.
-        linear_bias: optional ``[V]`` bias.
+        linear_weight: ``[V, D]``, same dtype as ``input``; or ``[V, d1, ..., dK, D]`` for a K-dimensional loss
+            (as torch's: ``input`` ``[N, D]``, ``target`` ``[N, d1, ..., dK]``, a softmax over the V classes at
+            each of the ``d1 * ... * dK`` positions).
+        target: ``[...]`` class indices (any integer dtype) in ``[0, V)`` or ``ignore_index``.
+        linear_bias: optional ``[V]`` (``[V, d1, ..., dK]``) bias.
         weight: optional ``[V]`` class weights ('mean' divides by the summed weights of the counted targets).
         reduction: 'mean' | 'sum' | 'none'. 'none' returns a loss per target element (0 where ignored).
         ignore_index: target value that is not counted (``None`` means -100, as in torch).
@@ -112,10 +169,11 @@ def linear_cross_entropy(
         softcap: ``s > 0`` or None; logits become ``s * tanh(logits / s)`` before the softmax.
         logit_scale: logits become ``logit_scale * (input @ linear_weight.T + linear_bias)``, before the softcap.
         return_lse: also return the float32 log-sum-exp of the (scaled, capped) logits, shaped like ``target``.
-            It is computed for every row, ignored rows included, and carries a gradient.
+            It is computed for every row, ignored rows included (their lse costs a forward-only pass over
+            them, not gradient work), and carries a gradient.
         workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 32 MiB on CPU);
-            larger blocks run closer to the GEMM rate, smaller ones save memory. :func:`plan` shows what a
-            budget buys.
+            larger blocks run closer to the GEMM rate, smaller ones save memory. At least one row of logits
+            is held (``V`` float32 values on CPU). :func:`plan` shows what a budget buys.
         process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor parallel):
             ``linear_weight`` and ``linear_bias`` are this rank's contiguous shard of the classes (shards may
             differ in size), ``input`` is the same on every rank, targets and class weights are global. Every
@@ -127,46 +185,127 @@ def linear_cross_entropy(
 
     Returns:
         The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with ``return_lse=True``.
+
+    For 'mean' and 'sum' the gradients are computed in the forward and held by the autograd graph until the
+    backward: they are results, not saved activations, so ``torch.autograd.graph.saved_tensors_hooks``
+    (activation offloading) does not see them.
     """
+    if linear_weight.dim() > 2:
+        return _k_dimensional(
+            input,
+            linear_weight,
+            target,
+            linear_bias=linear_bias,
+            weight=weight,
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            return_lse=return_lse,
+            workspace_bytes=workspace_bytes,
+            process_group=process_group,
+        )
     input, linear_weight, target, linear_bias, weight, shard = _vocab_parallel(
         input, linear_weight, target, linear_bias, weight, process_group, vocab_start
     )
     options = _op_options(
-        reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale, workspace_bytes, shard
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        workspace_bytes=workspace_bytes,
+        lse_of_ignored_rows=return_lse,
+        shard=shard,
     )
-    if shard is None:  # the public op, whose schema saved graphs know (csrc/options.h)
-        loss, lse = torch.ops.fused_ce.linear_cross_entropy(
-            input, linear_weight, target, linear_bias, weight, *options[:7]
-        )
-    else:
-        loss, lse = torch.ops.fused_ce.vocab_parallel_linear_cross_entropy(
-            input, linear_weight, target, linear_bias, weight, *options
-        )
+    loss, lse, _, _ = _call(input, linear_weight, target, linear_bias, weight, options)
     if return_lse:
         return loss, lse
     return loss
 
 
+def _k_dimensional(
+    input, linear_weight, target, *, linear_bias, weight, reduction, ignore_index, return_lse, process_group, **keywords
+):
+    """torch's K-dimensional loss: ``linear_weight`` ``[V, d1, ..., dK, D]``, one softmax over the V classes at
+    each position of ``d1 x ... x dK``, so one 2-D problem per position (a strided view of the weight)."""
+    V, positions, D = linear_weight.shape[0], tuple(linear_weight.shape[1:-1]), linear_weight.shape[-1]
+    if input.dim() != 2:
+        raise RuntimeError(
+            f"K-dimensional loss defined by linear_weight shape {tuple(linear_weight.shape)} requires batched input, "
+            f"(N, {D}), got input with shape {tuple(input.shape)}"
+        )
+    N = input.shape[0]
+    if tuple(target.shape) != (N, *positions):
+        raise ValueError(
+            f"linear_cross_entropy: target shape {tuple(target.shape)} must be {(N, *positions)} for linear_weight "
+            f"of shape {tuple(linear_weight.shape)}"
+        )
+    if linear_bias is not None and tuple(linear_bias.shape) != (V, *positions):
+        raise RuntimeError(f"expected linear_bias shape {(V, *positions)}, got {tuple(linear_bias.shape)}")
+    if process_group is not None:
+        raise ValueError("linear_cross_entropy: a K-dimensional loss is not vocabulary parallel (process_group)")
+    if reduction == "mean" and weight is not None and keywords["z_loss"]:
+        raise ValueError(
+            "linear_cross_entropy: a K-dimensional 'mean' with class weights and z_loss is not supported (the two "
+            "terms divide by different counts)"
+        )
+    K = math.prod(positions)
+    w = linear_weight.reshape(V, K, D)
+    b = None if linear_bias is None else linear_bias.reshape(V, K)
+    t = target.reshape(N, K)
+    per_position = "sum" if reduction == "mean" else reduction
+    losses, lses = [], []
+    for k in range(K):
+        loss, lse = linear_cross_entropy(
+            input,
+            w[:, k],
+            t[:, k],
+            linear_bias=None if b is None else b[:, k],
+            weight=weight,
+            reduction=per_position,
+            ignore_index=ignore_index,
+            return_lse=True,
+            **keywords,
+        )
+        losses.append(loss)
+        lses.append(lse)
+    if reduction == "none":
+        loss = torch.stack(losses, 1).reshape(N, *positions)
+    else:
+        loss = torch.stack(losses).sum()
+        if reduction == "mean":  # torch's: divided by the summed weights of every counted target
+            counted = t != (-100 if ignore_index is None else ignore_index)
+            if weight is None:
+                loss = loss / counted.sum()
+            else:
+                loss = loss / torch.where(counted, weight.to(loss.dtype)[t.clamp(0, V - 1).long()], 0).sum()
+    if return_lse:
+        return loss, torch.stack(lses, 1).reshape(N, *positions)
+    return loss
+
+
 _DTYPES = {"BFloat16": torch.bfloat16, "Half": torch.float16, "Float": torch.float32, "Double": torch.float64}
 
-
-class Plan(NamedTuple):
-    """What one op call does (csrc/plan.h): chosen from the shapes, dtypes, options, device and budget."""
-
-    pass_: str  # "forward" (loss and lse), "backward" (recomputing), "forward_with_grad" (scalar losses)
-    strategy: str  # "aten_chunks", "stored_logits", "dot_tiles" or "vocab_tiles"
-    block_rows: int  # rows of logits per block
-    tile_cols: int  # vocabulary columns per block (V: whole rows)
-    stats_block_rows: int  # "vocab_tiles": rows per block of its stats pass; else 0
-    logits_dtype: torch.dtype  # of the logit blocks and the GEMMs on them
-    logits_scale: float  # stored logits are the logits times this: 2^-8 for float16 (no overflow below 1.7e7)
-    grad_input_dtype: torch.dtype | None  # where dX accumulates across blocks (None for "forward")
-    grad_weight_dtype: torch.dtype | None  # where dW accumulates across blocks
-    grad_scale: float  # float16: the gradient blocks' power-of-two scale, divided out by the GEMMs; else 1
-    rank_one_smoothing: bool  # class-weighted smoothing sums from two GEMVs instead of per logit
-    rows_on_device: bool  # per-row bookkeeping in kernels (prepare_rows, assemble_loss)
-    budget_bytes: int  # workspace_bytes, or the device's default
-    workspace_bytes: int  # bytes of logit blocks (and their partials) held at once
+# What one op call does (csrc/plan.h, whose comments say what each field means; plan_fields lists them, and the
+# _plan op's schema declares them, which this tuple's fields are read from).
+Plan = NamedTuple(
+    "Plan",
+    [
+        (
+            r.name,
+            torch.dtype | None
+            if r.name.endswith("dtype")
+            else {"str": str, "int": int, "float": float}.get(str(r.type), bool),
+        )
+        for r in torch.ops.fused_ce._plan.default._schema.returns
+    ],
+)
+Plan.__doc__ = """What one op call does (csrc/plan.h): chosen from the shapes, dtypes, options, device, budget and
+the number of counted rows. The fields are those of the C++ Plan; dtypes are torch dtypes (None where none)."""
 
 
 def plan(
@@ -176,12 +315,12 @@ def plan(
 
     ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
     gradients, else "forward"; a per-row loss or a gradient through the lse also runs "backward" later.
-    The plan depends on shapes, dtypes, strides and device, not on values: expanded tensors serve.
+    The plan depends on shapes, dtypes, strides, device and the number of counted (not ignored) targets,
+    which it reads (one host read on CUDA); expanded tensors serve for the rest.
     """
     keywords.pop("options", None)
-    if keywords.get("ignore_index", -100) is None:
-        keywords["ignore_index"] = -100
     bias, weight = keywords.pop("linear_bias", None), keywords.pop("weight", None)
+    return_lse = keywords.pop("return_lse", False)
     input, linear_weight, target, bias, weight, shard = _vocab_parallel(
         input,
         linear_weight,
@@ -191,16 +330,12 @@ def plan(
         keywords.pop("process_group", None),
         keywords.pop("vocab_start", None),
     )
-    keywords.update(linear_bias=bias, weight=weight)
-    if shard is not None:
-        keywords.update(
-            process_group=shard[0], vocab_start=shard[1], vocab_size=sum(shard[2]), max_shard_rows=max(shard[2])
-        )
     if pass_ is None:
         differentiable = torch.is_grad_enabled() and (
             input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         pass_ = "forward_with_grad" if differentiable and keywords.get("reduction", "mean") != "none" else "forward"
-    fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, **keywords)
-    values = [_DTYPES.get(v) if name.endswith("dtype") else v for name, v in zip(Plan._fields, fields)]
+    options = _op_options(**keywords, lse_of_ignored_rows=return_lse, shard=shard)
+    fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, bias, weight, **options)
+    values = [(_DTYPES.get(v) if name.endswith("dtype") else v) for name, v in zip(Plan._fields, fields, strict=True)]
     return Plan(*values)

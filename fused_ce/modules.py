@@ -1,6 +1,7 @@
 """The module front: a drop-in for ``torch.nn.LinearCrossEntropyLoss`` (torch 2.13)."""
 
 import inspect
+import math
 
 from torch import Tensor, nn
 from typing_extensions import Unpack
@@ -26,8 +27,9 @@ class LinearCrossEntropyLoss(nn.Module):
     does, plus fused_ce's own keywords (``z_loss``, ``softcap``, ``logit_scale``, ``workspace_bytes``,
     ``return_lse``, ``process_group`` and ``vocab_start``: then ``num_classes`` is this rank's vocabulary
     shard, see :mod:`fused_ce.distributed`). ``forward(input, target)`` returns the loss of
-    ``.linear(input)`` against ``target`` without materialising the logits. K-dimensional losses
-    (``out_features != ()``) are not supported.
+    ``.linear(input)`` against ``target`` without materialising the logits. With ``out_features=(d1, ...)``
+    the loss is K-dimensional, as torch's: ``.linear`` has ``num_classes * d1 * ...`` outputs, viewed as
+    ``[num_classes, d1, ..., in_features]``, and ``target`` is ``[N, d1, ...]``.
     """
 
     def __init__(
@@ -44,11 +46,6 @@ class LinearCrossEntropyLoss(nn.Module):
         **keywords: Unpack[LossKeywords],
     ):
         super().__init__()
-        if tuple(out_features) != ():
-            raise NotImplementedError(
-                f"LinearCrossEntropyLoss: K-dimensional losses (out_features={tuple(out_features)}) are not "
-                "supported by fused_ce; use torch.nn.LinearCrossEntropyLoss"
-            )
         # with a process_group, num_classes is this rank's shard and the class weights are global
         if weight is not None and tuple(weight.shape) != (num_classes,) and keywords.get("process_group") is None:
             raise RuntimeError(f"expected weight shape to be {(num_classes,)}, got {tuple(weight.shape)}")
@@ -59,8 +56,9 @@ class LinearCrossEntropyLoss(nn.Module):
         if unknown:
             raise TypeError(f"LinearCrossEntropyLoss got unexpected keyword arguments {sorted(unknown)}")
         self.num_classes = num_classes
-        self.out_features = ()
-        self.linear = nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
+        self.out_features = tuple(out_features)
+        outputs = math.prod(self.out_features, start=num_classes)
+        self.linear = nn.Linear(in_features, outputs, bias=bias, device=device, dtype=dtype)
         self.register_buffer("weight", weight)
         self.reduction = keywords.get("reduction", "mean")
         self.ignore_index = keywords.get("ignore_index")  # None means -100, as in torch
@@ -71,11 +69,15 @@ class LinearCrossEntropyLoss(nn.Module):
             setattr(self, name, keywords.get(name, default))
 
     def forward(self, input: Tensor, target: Tensor):
+        weight, bias = self.linear.weight, self.linear.bias
+        if self.out_features:  # torch's layout of a K-dimensional loss
+            weight = weight.reshape(self.num_classes, *self.out_features, self.linear.in_features)
+            bias = None if bias is None else bias.reshape(self.num_classes, *self.out_features)
         return linear_cross_entropy(
             input,
-            self.linear.weight,
+            weight,
             target,
-            linear_bias=self.linear.bias,
+            linear_bias=bias,
             weight=self.weight,
             reduction=self.reduction,
             ignore_index=self.ignore_index,

@@ -200,11 +200,22 @@ def test_prepare_rows_and_assemble_loss(class_weight, reduction):
     t[::5] = ignore
     cw = torch.rand(V, device=DEVICE) + 0.5 if class_weight else None
     eps, z = 0.1, 1e-2
-    tgt, wt, totals, bad, coef = jit.prepare_rows(
-        t, V, ignore, class_weight=cw, label_smoothing=eps, z_loss=z, mean=reduction == "mean", coefficients=True
+    tgt, wt, totals, bad, counted, coef, order = jit.prepare_rows(
+        t,
+        V,
+        ignore,
+        class_weight=cw,
+        label_smoothing=eps,
+        z_loss=z,
+        mean=reduction == "mean",
+        coefficients=True,
+        order=True,
     )
     valid = t != ignore
-    assert bad == 0
+    assert bad == 0 and counted == valid.sum().item()
+    # the counted rows ascending, then the ignored ones ascending (csrc/targets.h)
+    rows = torch.arange(N, device=DEVICE)
+    assert torch.equal(order, torch.cat([rows[valid], rows[~valid]]))
     assert torch.equal(tgt, torch.where(valid, t, -1))
     ref_wt = (cw[t.clamp_min(0)] if cw is not None else torch.ones(N, device=DEVICE)) * valid
     torch.testing.assert_close(wt, ref_wt)
@@ -213,7 +224,7 @@ def test_prepare_rows_and_assemble_loss(class_weight, reduction):
     g_ce = 1 / ref_wt.sum() if reduction == "mean" else 1.0
     g_z = 1 / valid.sum() if reduction == "mean" else 1.0
     expected = (
-        g_ce * ((1 - eps) * ref_wt + eps / V * cw_sum * valid),
+        g_ce * ((1 - eps) * ref_wt + eps / V * cw_sum) * valid,
         2 * z * g_z * valid,
         g_ce * (1 - eps) * ref_wt,
         g_ce * eps / V * valid.float(),
@@ -241,64 +252,24 @@ def test_prepare_rows_and_assemble_loss(class_weight, reduction):
 
 def test_prepare_rows_counts_bad_targets():
     t = torch.tensor([0, 5, -1, 9, -100, 3], device=DEVICE)
-    tgt, _, totals, bad, _ = jit.prepare_rows(t, 9, -100)
+    tgt, _, totals, bad, counted, _, order = jit.prepare_rows(t, 9, -100, order=True)
     assert bad == 2  # -1 and 9 are outside [0, 9) and not ignore_index
     assert tgt.tolist() == [0, 5, -1, -1, -1, 3]
-    assert totals[1].item() == 3
+    assert totals[1].item() == 3 and counted == 3
+    assert order.tolist() == [0, 1, 5, 2, 3, 4]  # bad rows count as ignored
 
 
-GEMM_CASES = [  # M, N, K: tails in every dimension, and whole tiles; rows of 16 bytes' multiples (TMA)
-    (40, 72, 56),
-    (33, 24, 104),
-    (64, 64, 32),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-@pytest.mark.parametrize("M, N, K", GEMM_CASES)
-def test_tma_gemm_layouts_of_a_row_block(dtype, M, N, K):
-    """gemm.py's three uses: logits X @ W.T, dX = G @ W, dW += G.T @ X (into float32 and the input dtype)."""
-    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs a CUDA device: sm_90 or later (TMA)")
-    g = torch.Generator().manual_seed(M * N * K)
-    x, w, grad = (torch.randn(*s, generator=g).to(DEVICE, dtype) for s in ((M, K), (N, K), (M, N)))
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-
-    def rel(got, want):
-        return ((got.double() - want).norm() / want.norm()).item()
-
-    z = jit.gemm(x, w, torch.empty(M, N, dtype=dtype, device=DEVICE), b_t=True)
-    assert rel(z, x.double() @ w.double().T) < tol
-    dx = jit.gemm(grad, w, torch.empty(M, K, dtype=dtype, device=DEVICE))
-    assert rel(dx, grad.double() @ w.double()) < tol
-    for c_dtype in (torch.float32, dtype):
-        dw0 = torch.randn(N, K, generator=g).to(DEVICE, c_dtype)
-        dw = jit.gemm(grad, x, dw0.clone(), a_t=True, accumulate=True)
-        assert rel(dw, dw0.double() + grad.double().T @ x.double()) < tol
-
-
-def test_tma_gemm_refuses_unaligned_rows():
-    x = torch.randn(8, 12, device=DEVICE, dtype=torch.float16)  # 24-byte rows
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        jit.gemm(x, x, torch.empty(8, 8, device=DEVICE, dtype=torch.float16), b_t=True)
-
-
-@pytest.mark.parametrize("split", [True, False])
-@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
-def test_logits_gemm_epilogue_statistics(case, split):
-    """gemm.py's logits epilogue writes what logit_partials would read back: the same row statistics."""
-    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs a CUDA device: sm_90 or later (TMA)")
-    # D and V: rows of 16-byte multiples for the TMA descriptors, with tails for every tile
-    x, w, t, b, cw, scale, cap = case_inputs(dict(case, D=48, V=104, bias=True, class_weight=True))
-    dtype = {torch.float32: "fp32", torch.float16: "fp16"}[x.dtype]
-    cfg = configs.INTERPRETER["tma_gemm"] if DEVICE == "cpu" else configs.config("tma_gemm", 90, dtype)
-    cfg = configs.TmaGemmConfig(*(getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "split_epilogue"), split)
-    logits, *stats = jit.logits_with_partials(
-        x, w, t, bias=b, class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True, config=cfg
-    )
-    raw = x.double() @ w.double().T + b.double()
-    assert ((logits.double() - raw).norm() / raw.norm()).item() < 4 * torch.finfo(x.dtype).eps
-    expected = jit.stats_from_logits(logits, t, class_weight=cw, logit_scale=scale, softcap=cap, smoothing=True)
-    for got, want in zip(stats, expected):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+def test_prepare_rows_coefficients_are_zero_where_not_counted():
+    # class weights summing to 0 ('mean' divides by inf) and an infinite weight on a class no row counts
+    # (1 / bincount): the coefficients of ignored rows stay exactly 0, and without label smoothing no row
+    # takes the infinite weight sum
+    V = 6
+    t = torch.tensor([0, 1, -100, 2, -100], device=DEVICE)
+    cw = torch.tensor([1.0, -1.0, 0.0, 2.0, float("inf"), 3.0], device=DEVICE)
+    *_, coef, _ = jit.prepare_rows(t, V, -100, class_weight=cw, mean=True, coefficients=True)
+    ignored = t == -100
+    for c in coef:
+        assert (c[ignored] == 0).all()
+    cw[0] = 2.0  # the counted weights now sum to 3: finite coefficients everywhere
+    *_, coef, _ = jit.prepare_rows(t, V, -100, class_weight=cw, mean=True, coefficients=True)
+    assert all(c.isfinite().all() for c in coef)

@@ -206,7 +206,6 @@ def test_module_takes_torchs_constructor_arguments_and_attributes():
         (dict(weight=torch.ones(29)), RuntimeError),
         (dict(label_smoothing=1.5), RuntimeError),
         (dict(label_smoothing=-0.5), RuntimeError),
-        (dict(out_features=(2,)), NotImplementedError),
         (dict(no_such_option=1), TypeError),
     ],
 )
@@ -218,7 +217,60 @@ def test_module_validates_at_construction(kw, exc):
             TorchModule(16, 30, **kw)
 
 
-def test_k_dimensional_linear_weight_is_a_clear_error():
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("features", [{}, {"bias": True, "class_weights": True, "label_smoothing": 0.1}])
+def test_k_dimensional_loss_matches_torch(reduction, features):
+    # torch's K-dimensional loss: linear_weight [C, d1, d2, D], target [N, d1, d2], a softmax over C per position
+    N, C, D, positions = 9, 7, 12, (2, 3)
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    x = torch.randn(N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, *positions, D, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(C, *positions, generator=g, dtype=torch.float64, requires_grad=True) if features else None
+    cw = torch.rand(C, generator=g, dtype=torch.float64) + 0.5 if features else None
+    t = torch.randint(0, C, (N, *positions), generator=g)
+    t[0, 1, 2] = t[3, 0, 0] = -100
+    smoothing = features.get("label_smoothing", 0.0)
+    logits = (x @ w.reshape(-1, D).T + (0 if b is None else b.reshape(-1))).reshape(N, C, *positions)
+    want = torch.nn.functional.cross_entropy(logits, t, weight=cw, reduction=reduction, label_smoothing=smoothing)
+    got = fused_ce.linear_cross_entropy(
+        x, w, t, linear_bias=b, weight=cw, reduction=reduction, label_smoothing=smoothing
+    )
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn_like(want)
+    tensors = [x, w] + ([b] if b is not None else [])
+    for got_grad, want_grad in zip(
+        torch.autograd.grad((got * upstream).sum(), tensors), torch.autograd.grad((want * upstream).sum(), tensors)
+    ):
+        torch.testing.assert_close(got_grad, want_grad)
+    # the module, as torch's: out_features=
+    head = fused_ce.LinearCrossEntropyLoss(
+        D,
+        C,
+        out_features=positions,
+        bias=b is not None,
+        dtype=torch.float64,
+        reduction=reduction,
+        weight=cw,
+        label_smoothing=smoothing,
+    )
+    assert head.linear.weight.shape == (C * 6, D) and head.out_features == positions
+    with torch.no_grad():
+        head.linear.weight.copy_(w.reshape(-1, D))
+        if b is not None:
+            head.linear.bias.copy_(b.reshape(-1))
+    torch.testing.assert_close(head(x, t), want)
+
+
+def test_k_dimensional_loss_needs_batched_input_and_matching_target():
+    w = torch.randn(5, 2, 4)
+    with pytest.raises(RuntimeError, match="requires batched input"):
+        fused_ce.linear_cross_entropy(torch.randn(4), w, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="target shape"):
+        fused_ce.linear_cross_entropy(torch.randn(3, 4), w, torch.zeros(3, dtype=torch.long))
+
+
+def test_target_shaped_like_the_logits_is_a_runtime_error_as_in_torch():
     x, w, t, _ = make_problem(8, 6, 10)
-    with pytest.raises(RuntimeError, match="K-dimensional losses"):
-        fused_ce.linear_cross_entropy(x, w.reshape(10, 2, 3), t)
+    with pytest.raises(RuntimeError, match="shape of the logits"):
+        fused_ce.linear_cross_entropy(x, w, torch.zeros(8, 10, dtype=torch.long))

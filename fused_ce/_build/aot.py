@@ -64,7 +64,7 @@ def variant_spec(kernel, dtype, layout, arch):
         raise RuntimeError(f"{kernel}: kernel arguments {fn.arg_names} do not match its SPEC {expected}")
     aligned = layout == "aligned"
     cfg = configs.config(spec.family, arch, dtype)
-    if spec.family == "gemm":
+    if spec.family == "dot_tiles":
         constexprs = {
             "BLOCK_N": cfg.block_n,
             "BLOCK_V": cfg.block_v,
@@ -73,14 +73,14 @@ def variant_spec(kernel, dtype, layout, arch):
             "EVEN_D": aligned,
             "DOT_PRECISION": configs.dot_precision(dtype),
         }
-        blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d, group_n=cfg.group_n)
+        blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d)
     else:
         constexprs = {"BLOCK": cfg.block}
         if "BLOCK_R" in fn.arg_names:
             constexprs["BLOCK_R"] = cfg.rows
         if "FAST_TANH" in fn.arg_names:
             constexprs["FAST_TANH"] = configs.fast_tanh(dtype)
-        blocks = dict(block_n=cfg.rows, block_v=cfg.block, block_d=0, group_n=0)
+        blocks = dict(block_n=cfg.rows, block_v=cfg.block, block_d=0)
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
     for i, (name, ty) in enumerate(spec.params):
         ty = ty.replace("T", dtype)
@@ -204,7 +204,7 @@ def _emit_table(variants, out_dir):
         lines.append(
             f'  {{"{v["kernel"]}", "{v["dtype"]}", "{v["layout"]}", {v["arch"]}, fce_cubin_{i}, '
             f'fce_cubin_{i}_end, "{v["function"]}", {v["num_warps"]}, {v["shared"]}, {v["block_n"]}, '
-            f"{v['block_v']}, {v['block_d']}, {v['group_n']}, {len(v['params'])}, fce_param_names_{i}, "
+            f"{v['block_v']}, {v['block_d']}, {len(v['params'])}, fce_param_names_{i}, "
             f"fce_param_types_{i}, "
             f"{v['extra_params']}}},"
         )

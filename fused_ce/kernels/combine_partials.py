@@ -54,7 +54,10 @@ def combine_partials_kernel(
         if has_smoothing:
             wz += tl.sum(tl.load(pw_ptr + idx, mask=mask, other=0.0), axis=1)
     log_sum = tl.log(tl.where(row_mask, s, 1.0))
-    tl.store(lse_ptr + rows, m + log_sum, mask=row_mask)
+    # a row holding +inf: the lse +inf (as logsumexp), the loss NaN (as torch's log_softmax) through log_sum
+    lse = tl.where(m == float("inf"), float("inf"), m + log_sum)
+    log_sum = tl.where(m == float("inf"), float("nan"), log_sum)
+    tl.store(lse_ptr + rows, lse, mask=row_mask)
     tl.store(ls_ptr + rows, log_sum, mask=row_mask)
     if has_smoothing:
         tl.store(wz_ptr + rows, wz, mask=row_mask)

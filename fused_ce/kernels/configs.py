@@ -13,7 +13,7 @@ DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
 
 
 @dataclass(frozen=True)
-class TileConfig:  # family "gemm": tl.dot tiles of logits
+class TileConfig:  # family "dot_tiles": tl.dot tiles of logits
     block_n: int
     block_v: int
     block_d: int
@@ -30,7 +30,7 @@ class RowConfig:  # the other families: 1-D grids over tiles of stored logits, r
     rows: int = 1  # rows per program (tile kernels)
 
 
-_GEMM_HALF = {
+_DOT_TILES_HALF = {
     # Ampere datacenter (164 KB shared memory per block).
     80: TileConfig(128, 128, 64, 16, 8, 3),
     # Consumer parts: ~99 KB of shared memory per block.
@@ -41,7 +41,7 @@ _GEMM_HALF = {
     100: TileConfig(128, 128, 64, 16, 8, 4),
     120: TileConfig(128, 128, 32, 16, 4, 4),
 }
-_GEMM_FP32 = {
+_DOT_TILES_FP32 = {
     80: TileConfig(64, 64, 32, 16, 4, 3),
     86: TileConfig(64, 64, 32, 16, 4, 3),
     89: TileConfig(64, 64, 32, 16, 4, 3),
@@ -50,27 +50,10 @@ _GEMM_FP32 = {
     120: TileConfig(64, 64, 32, 16, 4, 3),
 }
 
-@dataclass(frozen=True)
-class TmaGemmConfig:  # family "tma_gemm": gemm.py, the persistent TMA GEMM (Hopper and later)
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    split_epilogue: bool
-
-
-# A starting point from triton's persistent-matmul tutorial's search space, not yet measured here:
-# benchmarks/tune.py --parts gemm sweeps the candidates at the plan's shapes.
-_TMA_GEMM = TmaGemmConfig(128, 256, 64, 8, 8, 3, True)
-_TMA_GEMM_FP32 = TmaGemmConfig(64, 128, 32, 8, 4, 3, False)  # float32 tiles take twice the shared memory
-
 # Small tiles for the CPU interpreter (tests): fast there and exercise tails.
 INTERPRETER = {
-    "gemm": TileConfig(16, 32, 16, 2, 4, 1),
-    "tma_gemm": TmaGemmConfig(16, 32, 16, 2, 4, 1, True),
-    "tile": RowConfig(32, 4, rows=4),
+    "dot_tiles": TileConfig(16, 32, 16, 2, 4, 1),
+    "stored_logits": RowConfig(32, 4, rows=4),
     "combine": RowConfig(2, 4, rows=4),  # 2 segments per step: several steps in tests
     "elementwise": RowConfig(64, 4),
     "rows": RowConfig(64, 4),
@@ -79,24 +62,20 @@ INTERPRETER = {
 
 def config(family: str, arch: int, dtype: str):
     """The configuration of a kernel family on `arch` for input dtype `dtype` ("bf16", "fp16", "fp32")."""
-    if family == "gemm":
-        table = _GEMM_FP32 if dtype == "fp32" else _GEMM_HALF
+    if family == "dot_tiles":
+        table = _DOT_TILES_FP32 if dtype == "fp32" else _DOT_TILES_HALF
         if arch in table:
             return table[arch]
         # Same-major fallback to the nearest lower minor we have a measurement for.
         lower = [a for a in table if a // 10 == arch // 10 and a <= arch] or [min(table)]
         return table[max(lower)]
-    if family == "tma_gemm":
-        if arch < 90:
-            raise ValueError(f"the TMA GEMM needs sm_90 or later, not sm_{arch}")
-        return _TMA_GEMM_FP32 if dtype == "fp32" else _TMA_GEMM
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping
         return RowConfig(1024, 4)
     if family == "combine":  # a few KB of partials per row: many small programs
         return RowConfig(64, 4, rows=16)
-    if family == "tile":
+    if family == "stored_logits":
         # Memory-bound passes over the stored logits; chosen by the H200 sweep of benchmarks/tune.py
         # (benchmarks/NOTES.md, step 13). float32 tiles take half the columns: the same bytes per thread.
         return RowConfig(2048 if dtype != "fp32" else 1024, 4, rows=4)
@@ -125,9 +104,9 @@ class ArchConstants:
 
 
 # Measured on the H200 (benchmarks/NOTES.md: ~3 TB/s for the tile passes under the GEMMs' load, ~700 TFLOP/s
-# for cuBLAS at shape A, step 15). Arch 0 serves every architecture without an entry of its own: the
-# decisions depend on the ratio of the two rates, which other datacenter parts share roughly; unmeasured.
+# for cuBLAS at shape A, step 15). Arch 0 serves every architecture without an entry of its own (sm_90
+# included): the decisions depend on the ratio of the two rates, which other datacenter parts share roughly.
+# An architecture measured to differ gets an entry of its own.
 ARCH_CONSTANTS = {
     0: ArchConstants(3e12, 700e12, 512, 128, 2048),
-    90: ArchConstants(3e12, 700e12, 512, 128, 2048),
 }

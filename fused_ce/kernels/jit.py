@@ -5,8 +5,6 @@ a GPU with triton installed. Arguments are passed by the names of each kernel's
 SPEC and checked against it; tiles come from configs.py by the SPEC's family.
 The library itself never imports this module.
 """
-import dataclasses
-
 import torch
 import triton
 
@@ -18,9 +16,6 @@ from . import (
 )
 from . import (
     configs,
-)
-from . import (
-    gemm as _gemm,
 )
 from . import (
     logit_grad as _logit_grad,
@@ -86,7 +81,7 @@ def _xw_args(x, w, target, bias, class_weight, logit_scale, softcap):
     )
 
 
-def _gemm_meta(cfg, x):
+def _dot_tile_meta(cfg, x):
     return dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
                 EVEN_D=x.shape[1] % cfg.block_d == 0, DOT_PRECISION=configs.dot_precision(_DTYPES[x.dtype]),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -105,7 +100,7 @@ def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, so
     args = dict(m_ptr=partial[0], s_ptr=partial[1], zt_ptr=partial[2], wz_ptr=partial[3], N=N, V=V,
                 cols_per_split=cols_per_split, has_smoothing=int(smoothing),
                 **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
-    _launch(_row_stats, (triton.cdiv(N, cfg.block_n) * splits,), args, **_gemm_meta(cfg, x))
+    _launch(_row_stats, (triton.cdiv(N, cfg.block_n) * splits,), args, **_dot_tile_meta(cfg, x))
     m = partial[0]
     m_max = m.max(0).values
     lse = m_max + (partial[1] * (m - m_max).exp()).sum(0).log()
@@ -123,7 +118,7 @@ def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end,
                 N=N, v_begin=v_begin, v_end=v_end, stride_gn=out.stride(0),
                 **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(v_end - v_begin, cfg.block_v),)
-    _launch(_logit_grad, grid, args, **_gemm_meta(cfg, x))
+    _launch(_logit_grad, grid, args, **_dot_tile_meta(cfg, x))
     return out
 
 
@@ -197,24 +192,28 @@ def scale_(g, scale, *, config=None, programs=None):
 
 
 def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=0.0, z_loss=0.0, mean=True,
-                 coefficients=False, config=None):
-    """(target with -1 where ignored, target weight, totals [sum wt, #valid, sum cw], #bad, coefficients or None)."""
+                 coefficients=False, order=False, config=None):
+    """(target with -1 where ignored, target weight, totals [sum wt, #valid, sum cw], #bad, #counted, coefficients
+    or None, the rows counted first (csrc/targets.h) or None)."""
     N = target.shape[0]
     cfg = _config(_prepare_rows, target, config)
     f32 = dict(dtype=torch.float32, device=target.device)
     tgt_out = torch.empty_like(target)
     wt = torch.empty(N, **f32)
     totals = torch.empty(3, **f32)
-    bad = torch.empty(1, dtype=torch.int32, device=target.device)
+    counts = torch.empty(2, dtype=torch.int32, device=target.device)
     coef = torch.empty(4, N, **f32) if coefficients else torch.empty(4, 1, **f32)
+    rows = torch.empty(N if order else 1, dtype=torch.int64, device=target.device)
     _launch(_prepare_rows, (1,),
             dict(tgt_ptr=target, cw_ptr=_placeholder(target, class_weight), tgt_out_ptr=tgt_out, wt_ptr=wt,
-                 totals_ptr=totals, bad_ptr=bad, alpha_ptr=coef[0], alpha_lse_ptr=coef[1], beta_ptr=coef[2],
-                 gamma_ptr=coef[3], N=N, V=V, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
-                 z_loss=float(z_loss), has_class_weight=int(class_weight is not None), mean=int(mean),
-                 write_coefficients=int(coefficients)),
+                 totals_ptr=totals, counts_ptr=counts, alpha_ptr=coef[0], alpha_lse_ptr=coef[1], beta_ptr=coef[2],
+                 gamma_ptr=coef[3], order_ptr=rows, N=N, V=V, ignore_index=ignore_index,
+                 label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+                 has_class_weight=int(class_weight is not None), mean=int(mean), write_coefficients=int(coefficients),
+                 write_order=int(order)),
             BLOCK=cfg.block, num_warps=cfg.num_warps)
-    return tgt_out, wt, totals, int(bad.item()), (tuple(coef) if coefficients else None)
+    bad, counted = (int(v) for v in counts.tolist())
+    return tgt_out, wt, totals, bad, counted, (tuple(coef) if coefficients else None), (rows if order else None)
 
 
 def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, V, *, label_smoothing=0.0,
@@ -233,58 +232,3 @@ def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, 
                  reduction=code),
             BLOCK=cfg.block, num_warps=cfg.num_warps)
     return loss if code == 0 else loss[0]
-
-
-def _tma_gemm(a, b, c, *, a_t=False, b_t=False, accumulate=False, config=None, programs=None, stats=None):
-    """Launches gemm.py: c = op(a) @ op(b) (+ c); ``stats`` the logits epilogue's arguments, else None."""
-    cfg = _config(_gemm, a, config)
-    if config is None and a.is_cuda and c.dtype == torch.float32 and a.dtype != torch.float32:
-        cfg = dataclasses.replace(cfg, num_stages=2)  # a float32 C tile takes the third stage's shared memory
-    M, K = (a.shape[1], a.shape[0]) if a_t else a.shape
-    N = b.shape[0] if b_t else b.shape[1]
-    if (b.shape[1] if b_t else b.shape[0]) != K or tuple(c.shape) != (M, N):
-        raise ValueError(f"gemm: shapes {tuple(a.shape)}, {tuple(b.shape)} -> {tuple(c.shape)} do not match")
-    for name, t in (("a", a), ("b", b), ("c", c)):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16:
-            raise ValueError(f"gemm: {name} must be row-major with 16-byte aligned rows (a TMA descriptor)")
-    # device-side tensor descriptors live in a global scratch buffer that triton asks for at launch
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=a.device))
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    if programs is None:
-        programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-    epilogue = stats or dict(bias_ptr=a, cw_ptr=c, pm_ptr=c, ps_ptr=c, pw_ptr=c, segments=1, logit_scale=1.0,
-                             softcap=1.0, has_bias=0, has_class_weight=0, has_softcap=0, has_smoothing=0)
-    _launch(_gemm, (max(1, min(tiles, programs)),),
-            dict(a_ptr=a, b_ptr=b, c_ptr=c, M=M, N=N, K=K, lda=a.stride(0), ldb=b.stride(0), ldc=c.stride(0),
-                 **epilogue),
-            A_T=a_t, B_T=b_t, ACCUMULATE=accumulate, STATS=stats is not None, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_EPILOGUE=cfg.split_epilogue,
-            FAST_TANH=_fast_tanh(c), DOT_PRECISION=configs.dot_precision(_DTYPES[a.dtype]), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-    return c
-
-
-def gemm(a, b, c, *, a_t=False, b_t=False, accumulate=False, config=None, programs=None):
-    """c = op(a) @ op(b), or c += it with ``accumulate`` (gemm.py); op transposes a stored [K, M] a (``a_t``) or
-    a stored [N, K] b (``b_t``). Every operand row-major; c float32 or the inputs' dtype. Returns c."""
-    return _tma_gemm(a, b, c, a_t=a_t, b_t=b_t, accumulate=accumulate, config=config, programs=programs)
-
-
-def logits_with_partials(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, softcap=None,
-                         smoothing=False, config=None, combine_config=None, programs=None):
-    """stats_from_logits' results, the raw logits x @ w.T + b written by gemm.py, whose epilogue also writes the
-    partial row statistics (no pass of logit_partials): (logits, lse, target_gap, log_sum, weighted_z_sum)."""
-    cfg = _config(_gemm, x, config)
-    N, V = x.shape[0], w.shape[0]
-    logits = torch.empty(N, V, dtype=x.dtype, device=x.device)
-    piece = cfg.block_n // 2 if cfg.split_epilogue else cfg.block_n
-    segments = triton.cdiv(V, piece)
-    partials = torch.empty(3, N, segments, dtype=torch.float32, device=x.device)
-    _tma_gemm(x, w, logits, b_t=True, config=cfg, programs=programs,
-              stats=dict(bias_ptr=_placeholder(x, bias), cw_ptr=_placeholder(partials, class_weight),
-                         pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], segments=segments,
-                         logit_scale=float(logit_scale), softcap=float(softcap or 1.0), has_bias=int(bias is not None),
-                         has_class_weight=int(class_weight is not None), has_softcap=int(softcap is not None),
-                         has_smoothing=int(smoothing)))
-    stats = _combine(partials, segments, logits, target, logit_scale, softcap, smoothing, combine_config)
-    return (logits,) + stats

@@ -28,7 +28,7 @@ SPEC = KernelSpec(
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_bias", "i32"), ("has_class_weight", "i32"), ("has_softcap", "i32"),
     ),
-    family="gemm",
+    family="dot_tiles",
     divisible_by_16=XW_DIVISIBLE_BY_16 | {"g_ptr", "stride_gn"},
     unit_stride=XW_UNIT_STRIDE,
 )

@@ -22,7 +22,7 @@ SPEC = KernelSpec(
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
     ),
-    family="tile",
+    family="stored_logits",
     # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (NOTES.md, step 14)
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),
 )

@@ -3,12 +3,15 @@
 For each row: the target with ignored rows as -1, the target's class weight (1
 without class weights; 0 where ignored) and whether the class index is out of
 range; over all rows: the summed weights, the number of counted rows, the number
-of bad class indices and the sum of the class weights. With
+of bad class indices and the sum of the class weights. With ``write_order``, the
+rows in the order the executors take them (csrc/targets.h): the counted ones
+ascending, then the ignored (and bad) ones ascending. With
 ``write_coefficients``, also the logit-gradient coefficients of a scalar loss
 for an upstream gradient of 1 (see GradCoefficients in csrc/problem.h):
 ``alpha = g_ce * ((1 - eps) * wt + eps / V * sum(cw) * valid)``,
 ``alpha_lse = 2 * z_loss * g_z * valid``, ``beta = g_ce * (1 - eps) * wt``,
-``gamma = g_ce * eps / V * valid``, with ``g_ce = 1 / sum(wt)`` and
+``gamma = g_ce * eps / V * valid`` (exactly 0 where a row is not counted, and the smoothing terms only with
+label smoothing: a non-finite class weight or weight sum must not reach other rows), with ``g_ce = 1 / sum(wt)`` and
 ``g_z = 1 / #valid`` for 'mean' (both 0 when nothing is counted; a zero sum(wt) of counted rows gives
 inf, as torch's division does), 1 for 'sum'.
 
@@ -40,10 +43,11 @@ SPEC = KernelSpec(
     "prepare_rows",
     params=(
         ("tgt_ptr", "*i64"), ("cw_ptr", "*fp32"), ("tgt_out_ptr", "*i64"), ("wt_ptr", "*fp32"),
-        ("totals_ptr", "*fp32"), ("bad_ptr", "*i32"),
+        ("totals_ptr", "*fp32"), ("counts_ptr", "*i32"),
         ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
+        ("order_ptr", "*i64"),
         ("N", "i64"), ("V", "i64"), ("ignore_index", "i64"), ("label_smoothing", "fp32"), ("z_loss", "fp32"),
-        ("has_class_weight", "i32"), ("mean", "i32"), ("write_coefficients", "i32"),
+        ("has_class_weight", "i32"), ("mean", "i32"), ("write_coefficients", "i32"), ("write_order", "i32"),
     ),
     family="rows",
     dtypes=("fp32",),  # float32 and int64 arguments whatever the inputs
@@ -53,11 +57,12 @@ SPEC = KernelSpec(
 
 @triton.jit
 def prepare_rows_kernel(
-    tgt_ptr, cw_ptr, tgt_out_ptr, wt_ptr, totals_ptr, bad_ptr,
+    tgt_ptr, cw_ptr, tgt_out_ptr, wt_ptr, totals_ptr, counts_ptr,
     alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr,
+    order_ptr,
     N, V, ignore_index,
     label_smoothing, z_loss,
-    has_class_weight, mean, write_coefficients,
+    has_class_weight, mean, write_coefficients, write_order,
     BLOCK: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK)
@@ -86,7 +91,9 @@ def prepare_rows_kernel(
     tl.store(totals_ptr, w_sum)
     tl.store(totals_ptr + 1, n_valid)
     tl.store(totals_ptr + 2, cw_sum)
-    tl.store(bad_ptr, tl.sum(bad_acc, axis=0))
+    n_counted = tl.sum(valid_acc, axis=0)
+    tl.store(counts_ptr, tl.sum(bad_acc, axis=0))
+    tl.store(counts_ptr + 1, n_counted)
 
     if write_coefficients:
         # torch's 'mean': divided by the signed sum of the counted weights (0 gives inf, so NaN gradients);
@@ -98,8 +105,24 @@ def prepare_rows_kernel(
         for r0 in range(0, N, BLOCK):
             rows = r0 + offs
             t, w, valid, bad, in_range = _targets(tgt_ptr, cw_ptr, rows, N, V, ignore_index, has_class_weight)
-            v = valid.to(tl.float32)
-            tl.store(alpha_ptr + rows, g_ce * ((1.0 - eps) * w + smooth * cw_sum * v), mask=in_range)
-            tl.store(alpha_lse_ptr + rows, 2.0 * z_loss * g_z * v, mask=in_range)
-            tl.store(beta_ptr + rows, g_ce * (1.0 - eps) * w, mask=in_range)
-            tl.store(gamma_ptr + rows, g_ce * smooth * v, mask=in_range)
+            smoothing = eps > 0  # 0 * an infinite class-weight sum would be NaN
+            alpha = g_ce * (1.0 - eps) * w + tl.where(smoothing, g_ce * smooth * cw_sum, 0.0)
+            gamma = tl.where(smoothing, g_ce * smooth, 0.0) + tl.zeros((BLOCK,), tl.float32)
+            tl.store(alpha_ptr + rows, tl.where(valid, alpha, 0.0), mask=in_range)
+            tl.store(alpha_lse_ptr + rows, tl.where(valid, 2.0 * z_loss * g_z, 0.0), mask=in_range)
+            tl.store(beta_ptr + rows, tl.where(valid, g_ce * (1.0 - eps) * w, 0.0), mask=in_range)
+            tl.store(gamma_ptr + rows, tl.where(valid, gamma, 0.0), mask=in_range)
+
+    if write_order:
+        counted_seen = 0
+        ignored_seen = 0
+        for r0 in range(0, N, BLOCK):
+            rows = r0 + offs
+            t, w, valid, bad, in_range = _targets(tgt_ptr, cw_ptr, rows, N, V, ignore_index, has_class_weight)
+            c = valid.to(tl.int32)
+            i = (in_range & ~valid).to(tl.int32)
+            position = tl.where(valid, counted_seen + tl.cumsum(c, axis=0) - 1,
+                                n_counted + ignored_seen + tl.cumsum(i, axis=0) - 1)
+            tl.store(order_ptr + position, rows, mask=in_range)
+            counted_seen += tl.sum(c, axis=0)
+            ignored_seen += tl.sum(i, axis=0)

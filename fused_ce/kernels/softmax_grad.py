@@ -26,7 +26,7 @@ SPEC = KernelSpec(
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
     ),
-    family="tile",
+    family="stored_logits",
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),  # V: see logit_partials.py
 )
 

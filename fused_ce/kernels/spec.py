@@ -20,8 +20,8 @@ class KernelSpec:
     # Launch parameters in the kernel's order, with their triton types; "T" stands for the input dtype.
     # The kernel's remaining parameters are its constexprs.
     params: tuple
-    # Configuration family in configs.py: "gemm" (tl.dot tiles), "tile" (tiles of stored logits), "combine",
-    # "elementwise", "rows" (one program over all rows).
+    # Configuration family in configs.py: "dot_tiles" (logit tiles from tl.dot), "stored_logits" (tiles of
+    # stored logits), "combine", "elementwise", "rows" (one program over all rows).
     family: str
     divisible_by_16: frozenset = frozenset()
     unit_stride: frozenset = frozenset()

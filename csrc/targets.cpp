@@ -1,0 +1,99 @@
+#include "targets.h"
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "cuda_driver.h"
+#include "cuda_stages.h"
+#include "format.h"
+#include "loss_terms.h"
+
+namespace fused_ce {
+namespace {
+
+// Bad class indices counted under CUDA graph capture, per device, for the next call outside capture to report.
+// Allocated under capture, so each replay counts afresh: the tally is the latest replay's.
+std::mutex captured_bad_mutex;
+std::map<int, at::Tensor> captured_bad;
+std::atomic<bool> captured_any{false};
+
+// The class index the check reports: the first bad one of the raw targets.
+[[noreturn]] void bad_target_error(const at::Tensor& raw, const LossOptions& o, int64_t V) {
+  const at::Tensor bad = raw.ne(o.ignore_index).logical_and_(raw.lt(0).logical_or_(raw.ge(V)));
+  const int64_t value = raw.masked_select(bad).flatten()[0].item<int64_t>();
+  TORCH_CHECK_INDEX(false, "linear_cross_entropy: target ", num(value),
+                    " is out of bounds: class indices must be in [0, ", num(V), ") or ignore_index (",
+                    num(o.ignore_index), ")");
+  __builtin_unreachable();
+}
+
+// Outside a capture, the captured calls' tally (one more read, once anything was captured).
+void report_captured_bad_targets(const Problem& p) {
+  if (!captured_any) return;
+  std::lock_guard<std::mutex> lock(captured_bad_mutex);
+  auto it = captured_bad.find(p.x.device().index());
+  if (it != captured_bad.end() && it->second.item<int>() != 0) {
+    it->second.zero_();
+    TORCH_CHECK_INDEX(false, "linear_cross_entropy: a call replayed from a CUDA graph saw class indices outside [0, ",
+                      num(p.V),
+                      ") that are not ignore_index (its loss was NaN, those rows counted as ignored); "
+                      "reported by the first call outside capture since");
+  }
+}
+
+// Under capture: the bad-index count goes to the device's tally, for the next call outside capture to report,
+// and to the problem, to turn this call's loss NaN.
+void tally_captured_bad_targets(Problem& p, const at::Tensor& bad) {
+  std::lock_guard<std::mutex> lock(captured_bad_mutex);
+  at::Tensor& tally = captured_bad[p.x.device().index()];
+  if (!tally.defined()) tally = at::zeros_like(bad);
+  tally.add_(bad);
+  captured_any = true;
+  p.unreported_bad_targets = bad;
+}
+
+// The counted rows of prepared targets (-1 where ignored), in ATen: the paths without the row kernels.
+CountedRows count_rows(const at::Tensor& target) {
+  const at::Tensor counted = target.ge(0);
+  CountedRows rows;
+  rows.order = at::cat({counted.nonzero().flatten(), counted.logical_not().nonzero().flatten()});
+  rows.counted = counted.sum().item<int64_t>();
+  return rows;
+}
+
+}  // namespace
+
+CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit) {
+  const at::Tensor raw = p.target;
+  CountedRows rows;
+  if (on_device) {
+    // prepare_rows makes bad indices ignored rows (nothing is read out of bounds); no host read under capture.
+    const bool capturing = stream_capturing(p.x.device());
+    at::Tensor order;
+    const at::Tensor counts = cuda_prepare_rows(p, raw, o, unit, capturing ? nullptr : &order);  // [bad, counted]
+    if (capturing) {
+      if (check) tally_captured_bad_targets(p, counts.narrow(0, 0, 1));
+      return rows;
+    }
+    if (check) report_captured_bad_targets(p);
+    const at::Tensor host = counts.cpu();  // the one host read
+    if (check && host[0].item<int>() != 0) bad_target_error(raw, o, p.V);
+    rows.counted = host[1].item<int>();
+    rows.order = order;
+    return rows;
+  }
+  const at::Tensor ignored = raw.eq(o.ignore_index);
+  if (check && p.N > 0) {
+    if (ignored.logical_not().logical_and_(raw.lt(0).logical_or_(raw.ge(p.V))).any().item<bool>()) {
+      bad_target_error(raw, o, p.V);
+    }
+  }
+  p.target = at::where(ignored, -1, raw).contiguous();
+  if (unit != nullptr) *unit = unit_grad_coefficients(p, o);
+  if (!p.x.is_cuda() || !stream_capturing(p.x.device())) rows = count_rows(p.target);
+  return rows;
+}
+
+}  // namespace fused_ce

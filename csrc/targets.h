@@ -1,0 +1,34 @@
+// The targets prepared, before the plan: ignored rows marked, the class indices checked, and the rows that
+// count found, so that the plan can run the executors on those rows only (Problem::select_rows).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "options.h"
+#include "problem.h"
+
+namespace fused_ce {
+
+// Which rows count: their number and the rows in the order the executors take them.
+struct CountedRows {
+  // Rows whose target counts, read with the class-index check; -1 where nothing is read (the check made no
+  // host read: under CUDA graph capture, or without `check`).
+  int64_t counted = -1;
+  // [N] int64: the counted rows in ascending order, then the ignored ones; undefined where counted is -1.
+  at::Tensor order;
+
+  bool known() const { return counted >= 0; }
+  at::Tensor counted_index() const { return order.narrow(0, 0, counted); }
+  at::Tensor ignored_index() const { return order.narrow(0, counted, order.numel() - counted); }
+};
+
+// Marks ignored rows (-1 in p.target) and, where `on_device` (the plan's rows_on_device: the row kernels
+// run), sets p.target_weight and p.totals in one launch (cuda_prepare_rows). With `check`, a class index
+// outside [0, V) that is not ignore_index is an IndexError naming it, found by one host read, which also
+// brings the count of counted rows; under CUDA graph capture no read (the count stays unknown, and bad
+// indices make the loss NaN and are reported by the next call outside capture). With `unit`, also the
+// gradient coefficients of the scalar loss for an upstream gradient of 1. Without `check` (the backward's
+// preparation of targets the forward checked) the count is read all the same, outside capture.
+CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit);
+
+}  // namespace fused_ce
