@@ -4,9 +4,10 @@
     python benchmarks/bench.py --quick         # fewer repeats, smaller sweep
     python benchmarks/bench.py --shapes A --methods fused_ce,torch.compile
     python benchmarks/bench.py --dtype float16  # the same in float16
+    python benchmarks/bench.py --ignored 0.5 --mask prompt  # the first half of every 2048-token sequence ignored
 
 Workload (issue 3): bf16 (or --dtype) input ~ N(0, 1) and weight ~ N(0, 1/D), int64 targets
-with 10% ignore_index, mean loss; time of forward + backward, median of timed
+with 10% ignore_index (--ignored, at random rows or --mask prompt: the start of each sequence), mean loss; time of forward + backward, median of timed
 runs after warm-up (CUDA events). Workspace = peak allocated during fwd+bwd
 minus the inputs minus the gradients. Errors are relative norm errors against a
 float32 reference (loss, dX, dW). Prints a table and writes a JSON file and a
@@ -154,7 +155,7 @@ def run(args):
     if sweep_n:
         shapes += [(f"A@N={n}", n, SHAPES["A"][1], SHAPES["A"][2]) for n in sweep_n if n != SHAPES["A"][0]]
     for name, N, D, V in shapes:
-        x, w, t = make_inputs(N, D, V, device, dtype=getattr(torch, args.dtype))
+        x, w, t = make_inputs(N, D, V, device, dtype=getattr(torch, args.dtype), ignored=args.ignored, mask=args.mask)
         if first_call is None and "fused_ce" in methods:
             first_call = first_call_ms(x, w, t)
         ref = reference(x, w, t)
@@ -175,6 +176,8 @@ def run(args):
                 torch.cuda.empty_cache()
             row = dict(
                 shape=name,
+                ignored=args.ignored,
+                mask=args.mask,
                 N=N,
                 D=D,
                 V=V,
@@ -201,7 +204,8 @@ def run(args):
 
 
 def print_table(rows, first_call, env, dtype):
-    print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}, {dtype}")
+    masks = sorted({f"{r['ignored']:.0%} ignored ({r['mask']})" for r in rows})
+    print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}, {dtype}, {', '.join(masks)}")
     if first_call:
         print(
             f"fused_ce fwd+bwd: first call after import {first_call[0]:.1f} ms, warm {first_call[1]:.1f} ms "
@@ -270,6 +274,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="warmup 1, repeat 5")
     parser.add_argument("--eager-big", action="store_true", help="also run torch eager when N*V > 2^31")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--ignored", type=float, default=0.1, help="fraction of targets set to ignore_index")
+    parser.add_argument("--mask", default="scattered", choices=["scattered", "prompt"])
+    parser.add_argument("--tag", default="", help="suffix of the result files (bench{tag}.json / .png)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.quick:
@@ -281,8 +288,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(env=env, dtype=args.dtype, first_call_ms=first_call, rows=rows)
-    (out / "bench.json").write_text(json.dumps(result, indent=1))
-    plot(rows, out / "bench.png", args.dtype)
+    (out / f"bench{args.tag}.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / f"bench{args.tag}.png", args.dtype)
     print_table(rows, first_call, env, args.dtype)
 
 

@@ -21,13 +21,22 @@ SHAPES = {  # name: (N, D, V)
 PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
 
 
-def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0):
+SEQUENCE = 2048  # tokens per sequence of the prompt mask
+
+
+def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0, ignored=0.1, mask="scattered"):
+    """x ~ N(0, 1), W ~ N(0, 1/D), targets with a fraction `ignored` set to -100: at random rows ("scattered")
+    or the first part of every 2048-token sequence ("prompt", as supervised fine-tuning masks the prompt)."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     x = torch.randn(N, D, device=device, dtype=dtype, generator=g)
     w = (torch.randn(V, D, device=device, generator=g) / math.sqrt(D)).to(dtype)
     t = torch.randint(0, V, (N,), device=device, generator=g)
-    t[torch.rand(N, device=device, generator=g) < 0.1] = -100
+    if mask == "prompt":
+        seq = min(SEQUENCE, N)
+        t.view(-1, seq)[:, : round(ignored * seq)] = -100
+    else:
+        t[torch.rand(N, device=device, generator=g) < ignored] = -100
     return x, w, t
 
 

@@ -21,15 +21,21 @@ at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
   return z;
 }
 
-// The row stats that are linear in the logits z (over the whole vocabulary):
-// the target's logit (target_gap until the max is known) and the class-weighted sum.
-RowStats linear_stats_of(const Problem& p, const at::Tensor& z, bool smoothing) {
+// The row stats read off the logits z (over the whole vocabulary) before the softmax: the target's logit
+// (target_gap until the max is known), the class-weighted sum, the argmax (torch's: the first on ties).
+RowStats linear_stats_of(const Problem& p, const at::Tensor& z, const StatsRequest& request) {
   RowStats s;
   s.target_gap = z.gather(1, p.target.clamp_min(0).unsqueeze(1)).squeeze(1);
-  if (smoothing) {
+  if (request.weighted_sums) {
     s.weighted_z_sum = p.class_weight.defined() ? z.matmul(p.class_weight.to(z.scalar_type())) : z.sum(1);
   }
+  if (request.argmax) s.argmax = z.argmax(1);
   return s;
+}
+
+// -sum p log p from e = exp(z - m) (e * log e is 0 where e is 0) and log_sum = log sum e.
+at::Tensor entropy_of(const at::Tensor& e, const at::Tensor& log_sum) {
+  return log_sum - at::special_xlogy(e, e).sum(1) / e.sum(1);
 }
 
 // The row max as logsumexp takes it: 0 where it is infinite.
@@ -47,10 +53,13 @@ void finish_stats(RowStats& s, const Problem& p, const at::Tensor& m, const at::
 }
 
 // Row stats of the rows of p from their logits over the whole vocabulary.
-RowStats stats_of(const Problem& p, const at::Tensor& z, bool smoothing) {
-  RowStats s = linear_stats_of(p, z, smoothing);
+RowStats stats_of(const Problem& p, const at::Tensor& z, const StatsRequest& request) {
+  RowStats s = linear_stats_of(p, z, request);
   const at::Tensor m = row_max(z);
-  finish_stats(s, p, m.squeeze(1), (z - m).exp_().sum(1).log_());
+  const at::Tensor e = (z - m).exp_();
+  const at::Tensor log_sum = e.sum(1).log_();
+  if (request.entropy) s.entropy = entropy_of(e, log_sum);
+  finish_stats(s, p, m.squeeze(1), log_sum);
   return s;
 }
 
@@ -68,16 +77,19 @@ at::Tensor finish_grad(at::Tensor g, const Problem& p, const GradCoefficients& c
   const at::Tensor local = p.target - v_begin;
   const at::Tensor hit = local.ge(0).logical_and_(local.lt(v_end - v_begin));
   g.scatter_add_(1, at::where(hit, local, 0).unsqueeze(1), (-c.beta.to(dtype) * hit).unsqueeze(1));
-  if (p.class_weight.defined()) {
-    g.sub_(c.gamma.to(dtype).unsqueeze(1) * p.class_weight.narrow(0, v_begin, v_end - v_begin).to(dtype));
-  } else {
-    g.sub_(c.gamma.to(dtype).unsqueeze(1));
+  if (c.gamma.defined()) {  // label smoothing's term (only then: 0 * an infinite class weight would be NaN)
+    if (p.class_weight.defined()) {
+      g.sub_(c.gamma.to(dtype).unsqueeze(1) * p.class_weight.narrow(0, v_begin, v_end - v_begin).to(dtype));
+    } else {
+      g.sub_(c.gamma.to(dtype).unsqueeze(1));
+    }
   }
   if (dcap.defined()) g.mul_(dcap);
   if (p.logit_scale != 1.0) g.mul_(p.logit_scale);
   // Rows with no coefficient (ignored ones) get exactly 0, also where their logits are NaN or inf.
-  const at::Tensor inactive =
-      c.alpha.eq(0).logical_and_(c.alpha_lse.eq(0)).logical_and_(c.beta.eq(0)).logical_and_(c.gamma.eq(0));
+  at::Tensor inactive = c.alpha.eq(0).logical_and_(c.alpha_lse.eq(0)).logical_and_(c.beta.eq(0));
+  if (c.gamma.defined()) inactive.logical_and_(c.gamma.eq(0));
+  if (c.alpha_z.defined()) inactive.logical_and_(c.alpha_z.eq(0));
   g.masked_fill_(inactive.unsqueeze(1), 0);
   return g;
 }
@@ -89,18 +101,26 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
   const at::Tensor lse = c.lse.to(dtype);
   const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * lse;
   const at::Tensor dcap = softcap_slope(p, z);
-  z.sub_(lse.unsqueeze(1)).exp_().mul_(alpha.unsqueeze(1));
+  z.sub_(lse.unsqueeze(1));   // log p
+  if (c.alpha_z.defined()) {  // p * (alpha + alpha_z * log p)
+    // (p log p is 0 where p is: -inf logits must not make 0 * -inf)
+    const at::Tensor factor =
+        (alpha.unsqueeze(1) + c.alpha_z.to(dtype).unsqueeze(1) * z).masked_fill_(z == -INFINITY, 0);
+    z.exp_().mul_(factor);
+  } else {
+    z.exp_().mul_(alpha.unsqueeze(1));
+  }
   return finish_grad(std::move(z), p, c, v_begin, v_end, dcap);
 }
 
 }  // namespace
 
-RowStats aten_row_stats(const Problem& p, bool smoothing, int64_t block_rows) {
-  const RowStats s = RowStats::allocate(p, smoothing);
+RowStats aten_row_stats(const Problem& p, const StatsRequest& request, int64_t block_rows) {
+  const RowStats s = RowStats::allocate(p, request);
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
     const Problem chunk = p.rows(r0, r1);
-    s.rows(r0, r1).copy_(stats_of(chunk, logits(chunk, 0, p.V), smoothing));
+    s.rows(r0, r1).copy_(stats_of(chunk, logits(chunk, 0, p.V), request));
   }
   return s;
 }
@@ -109,19 +129,27 @@ at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t 
   return grad_from_logits(logits(p, v_begin, v_end), p, c, v_begin, v_end);
 }
 
-std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c, bool smoothing) {
+std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
+                                                          const StatsRequest& request) {
   at::Tensor z = logits(p, 0, p.V);
-  RowStats s = linear_stats_of(p, z, smoothing);
+  RowStats s = linear_stats_of(p, z, request);
   const at::Tensor dcap = softcap_slope(p, z);
   // z becomes exp(z - max) in place; its row sums give the lse, and
   // p * alpha = exp(z - max) * (alpha / sum): no logits-sized temporary and
   // two passes fewer than logsumexp followed by exp(z - lse).
   const at::Tensor m = row_max(z);
   const at::Tensor sum = z.sub_(m).exp_().sum(1, /*keepdim=*/true);
-  finish_stats(s, p, m.squeeze(1), sum.log().squeeze(1));
+  const at::Tensor log_sum = sum.log();
+  if (request.entropy) s.entropy = entropy_of(z, log_sum.squeeze(1));
+  finish_stats(s, p, m.squeeze(1), log_sum.squeeze(1));
   const auto dtype = z.scalar_type();
   const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * s.lse;
-  z.mul_(alpha.unsqueeze(1) / sum);
+  if (c.alpha_z.defined()) {  // p * (alpha + alpha_z * log p), log p = log exp(z - max) - log sum
+    const at::Tensor log_p = (z.log() - log_sum).masked_fill_(z == 0, 0);  // p log p is 0 where p is
+    z.mul_((alpha.unsqueeze(1) + c.alpha_z.to(dtype).unsqueeze(1) * log_p) / sum);
+  } else {
+    z.mul_(alpha.unsqueeze(1) / sum);
+  }
   return {s, finish_grad(std::move(z), p, c, 0, p.V, dcap)};
 }
 

@@ -112,7 +112,7 @@ bool cuda_kernels_available(const Problem& p) {
          select_fixed("assemble_loss", p.x.device()) != nullptr;
 }
 
-RowStats cuda_row_stats(const Problem& p, bool smoothing) {
+RowStats cuda_row_stats(const Problem& p, const StatsRequest& request) {
   const KernelVariant& v = *select("row_stats", p, nullptr);
   // Split the vocabulary so that there are several waves of programs even for
   // few rows; the splits' partials are combined below.
@@ -123,28 +123,43 @@ RowStats cuda_row_stats(const Problem& p, bool smoothing) {
   const int64_t cols_per_split = cdiv(vocab_tiles, splits) * v.block_v;
   splits = cdiv(p.V, cols_per_split);
 
-  at::Tensor partial = at::empty({4, splits, p.N}, p.x.options().dtype(at::kFloat));
+  at::Tensor partial = at::empty({5, splits, p.N}, p.x.options().dtype(at::kFloat));
+  const at::Tensor arg = request.argmax ? at::empty({splits, p.N}, p.target.options()) : at::Tensor();
   KernelArgs args = common_args(p);
   args.ptr("m_ptr", partial[0])
       .ptr("s_ptr", partial[1])
       .ptr("zt_ptr", partial[2])
       .ptr("wz_ptr", partial[3])
+      .ptr("t_ptr", partial[4])
+      .ptr("am_ptr", arg)
       .i64("N", p.N)
       .i64("V", p.V)
       .i64("cols_per_split", cols_per_split)
-      .i32("has_smoothing", smoothing);
+      .i32("has_smoothing", request.weighted_sums)
+      .i32("has_entropy", request.entropy)
+      .i32("has_argmax", request.argmax);
   launch(v, p.x.device(), row_tiles * splits, args);
 
   const at::Tensor m = partial[0];
   const at::Tensor m_max = std::get<0>(m.max(0));
-  RowStats s;
-  const at::Tensor log_sum = (partial[1] * (m - m_max).exp()).sum(0).log();
+  const at::Tensor scale = (m - m_max).exp();  // [splits, N]: each split's sums to the row max
+  const at::Tensor sum = (partial[1] * scale).sum(0);
+  const at::Tensor log_sum = sum.log();
   // a row holding +inf: the lse +inf (as logsumexp), the loss NaN (as torch's log_softmax) through log_sum
   const at::Tensor holds_inf = m_max == INFINITY;
+  RowStats s;
   s.lse = (m_max + log_sum).masked_fill_(holds_inf, INFINITY);
   s.log_sum = log_sum.masked_fill(holds_inf, NAN);
   s.target_gap = at::where(p.target.ge(0), m_max - partial[2].sum(0), at::zeros({}, m_max.options()));
-  if (smoothing) s.weighted_z_sum = partial[3].sum(0);
+  if (request.weighted_sums) s.weighted_z_sum = partial[3].sum(0);
+  if (request.entropy) {  // log S - T / S, each split's T moved to the row max: e^(m - M) * (t + (m - M) * s)
+    const at::Tensor shift = (m - m_max).nan_to_num_(0.0, 0.0, 0.0);
+    s.entropy = log_sum - (scale * (partial[4] + shift * partial[1])).sum(0) / sum;
+  }
+  if (request.argmax) {  // the first split holding the row max (splits are in column order)
+    const at::Tensor first = m.eq(m_max).to(at::kInt).argmax(0, /*keepdim=*/true);
+    s.argmax = arg.gather(0, first).squeeze(0);
+  }
   return s;
 }
 
@@ -158,11 +173,14 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
       .ptr("alpha_lse_ptr", c.alpha_lse)
       .ptr("beta_ptr", c.beta)
       .ptr("gamma_ptr", c.gamma)
+      .ptr("alpha_z_ptr", c.alpha_z)
       .ptr("g_ptr", out)
       .i64("N", p.N)
       .i64("v_begin", v_begin)
       .i64("v_end", v_end)
-      .i64("stride_gn", out.stride(0));
+      .i64("stride_gn", out.stride(0))
+      .i32("has_smoothing", c.gamma.defined())
+      .i32("has_alpha_z", c.alpha_z.defined());
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * cdiv(v_end - v_begin, v.block_v), args);
 }
 
@@ -186,24 +204,34 @@ int64_t cuda_logits_row_bytes(const Problem& p) {
   return p.V * int64_t{c10::elementSize(p.x.scalar_type())} + 3 * int64_t{sizeof(float)} * segments;
 }
 
-void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out, bool smoothing) {
+void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out) {
   TORCH_CHECK(p.col_offset == 0, "fused_ce: row stats need whole vocabulary rows");
+  const StatsRequest request = out.request();
   check_stored_logits(p, logits);
   check_row_output(p, out.lse);
   check_row_output(p, out.target_gap);
   check_row_output(p, out.log_sum);
-  if (smoothing) check_row_output(p, out.weighted_z_sum);
+  if (request.weighted_sums) check_row_output(p, out.weighted_z_sum);
+  if (request.entropy) check_row_output(p, out.entropy);
+  TORCH_CHECK(!request.argmax || (out.argmax.scalar_type() == at::kLong && out.argmax.is_contiguous()),
+              "fused_ce: bad row buffer");
   const KernelVariant& tiles = *select("logit_partials", p, &logits);
   const int64_t segments = cdiv(p.V, tiles.block_v);
-  const at::Tensor partials = at::empty({3, p.N, segments}, p.x.options().dtype(at::kFloat));
+  const at::Tensor partials = at::empty({request.entropy ? 4 : 3, p.N, segments}, p.x.options().dtype(at::kFloat));
+  const at::Tensor arg = request.argmax ? at::empty({p.N, segments}, p.target.options()) : at::Tensor();
+  const at::Tensor entropy_partials = request.entropy ? partials[3] : at::Tensor();
   const auto transform = [&](KernelArgs& a) -> KernelArgs& {
     return a.ptr("logits_ptr", logits)
+        .ptr("pe_ptr", entropy_partials)
+        .ptr("pa_ptr", arg)
         .i64("stride_ln", logits.stride(0))
         .i64("segments", segments)
         .f32("logit_scale", static_cast<float>(p.logit_scale))
         .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
         .i32("has_softcap", p.softcap.has_value())
-        .i32("has_smoothing", smoothing);
+        .i32("has_smoothing", request.weighted_sums)
+        .i32("has_entropy", request.entropy)
+        .i32("has_argmax", request.argmax);
   };
   KernelArgs partial_args;
   transform(partial_args)
@@ -227,6 +255,8 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
       .ptr("gap_ptr", out.target_gap)
       .ptr("ls_ptr", out.log_sum)
       .ptr("wz_ptr", out.weighted_z_sum)
+      .ptr("ent_ptr", out.entropy)
+      .ptr("am_ptr", out.argmax)
       .i64("N", p.N);
   launch(combine, p.x.device(), cdiv(p.N, combine.block_n), combine_args);
 }
@@ -246,6 +276,7 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
       .ptr("alpha_lse_ptr", c.alpha_lse)
       .ptr("beta_ptr", c.beta)
       .ptr("gamma_ptr", c.gamma)
+      .ptr("alpha_z_ptr", c.alpha_z)
       .i64("N", p.N)
       .i64("V", p.V)
       .i64("stride_ln", logits.stride(0))
@@ -255,7 +286,8 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
       .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
       .i32("has_class_weight", p.class_weight.defined())
       .i32("has_softcap", p.softcap.has_value())
-      .i32("has_smoothing", smoothing);
+      .i32("has_smoothing", smoothing)
+      .i32("has_alpha_z", c.alpha_z.defined());
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * segments, args);
 }
 
@@ -294,7 +326,9 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOpt
       .i32("write_coefficients", unit != nullptr)
       .i32("write_order", order != nullptr);
   launch(v, p.x.device(), 1, args);
-  if (unit != nullptr) *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), row(3)};
+  // gamma only with label smoothing (GradCoefficients)
+  if (unit != nullptr)
+    *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), o.smoothing() ? row(3) : at::Tensor()};
   return counts;
 }
 

@@ -1,7 +1,7 @@
 // The stages as embedded Triton kernels (fused_ce/kernels/, one file each),
-// launched on torch's current stream (cuda_driver.h). `smoothing` says whether
-// a stage computes label smoothing's terms (the weighted logit sums, the
-// gradient's gamma term).
+// launched on torch's current stream (cuda_driver.h). A StatsRequest (or the
+// RowStats given) says which optional row statistics a stage computes; `smoothing`
+// whether a gradient stage has label smoothing's gamma term.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,7 +30,7 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOpt
 at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOptions& o);
 
 // Row stats from tl.dot logit tiles reduced in registers (row_stats.py).
-RowStats cuda_row_stats(const Problem& p, bool smoothing);
+RowStats cuda_row_stats(const Problem& p, const StatsRequest& request);
 // Writes g (in the input dtype) for all rows of `p` and columns [v_begin, v_end)
 // into `out` ([N, >= v_end - v_begin], unit column stride), recomputing the
 // logits with tl.dot (logit_grad.py).
@@ -40,9 +40,9 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
 // Over stored logits: `logits` holds the raw logits x @ w.T + b of all rows of
 // `p` ([N, V], input dtype, unit column stride).
 // cuda_stats_from_logits writes their row stats into `out` (contiguous [N]
-// float32 views) and leaves the logits as they are: logit_partials.py, then
-// combine_partials.py.
-void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out, bool smoothing);
+// float32 views, the optional ones where defined) and leaves the logits as they
+// are: logit_partials.py, then combine_partials.py.
+void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out);
 // cuda_softmax_grad overwrites them with g, given the rows' lse (c.lse unused);
 // `p` may be a vocabulary slice (Problem::cols) of the rows (softmax_grad.py).
 void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,

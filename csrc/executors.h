@@ -36,6 +36,9 @@ std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions
                                              const GradCoefficients& unit, GradMask need);
 
 // Shared by the executors.
+// The optional row stats a call computes: label smoothing's weighted sums where
+// the kernels take them (not with rank-one smoothing), the entropy and argmax where asked for.
+StatsRequest stats_request(const LossOptions& o, const Plan& plan);
 // The gradients asked for (the bias's only with a bias), uninitialised but for
 // those that accumulate from zero; dX of selected rows (Problem::row_index) has
 // every row of x, zeros where no selected row writes.

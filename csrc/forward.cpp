@@ -24,9 +24,12 @@ Problem reading_stored_logits(const Problem& p, const Plan& plan) {
   return stored;
 }
 
+StatsRequest stats_request(const LossOptions& o, const Plan& plan) {
+  return {o.smoothing() && !plan.rank_one_smoothing, o.return_entropy, o.return_argmax};
+}
+
 RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows) {
-  const bool smoothing_in_kernel = o.smoothing() && !plan.rank_one_smoothing;
-  RowStats s = RowStats::allocate(p, smoothing_in_kernel);
+  RowStats s = RowStats::allocate(p, stats_request(o, plan));
   if (plan.rank_one_smoothing) s.weighted_z_sum = weighted_z_sum(p, class_weighted_w(p));
   at::Tensor buffer = at::empty({block_rows, p.V}, p.x.options());
   const Problem stored = reading_stored_logits(p, plan);
@@ -35,17 +38,18 @@ RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const 
     at::Tensor logits = buffer.narrow(0, 0, r1 - r0);
     const Problem pr = stored.rows(r0, r1);
     logits_into(pr, logits, plan.logits_scale);
-    cuda_stats_from_logits(pr, logits, s.rows(r0, r1), smoothing_in_kernel);
+    cuda_stats_from_logits(pr, logits, s.rows(r0, r1));
   }
   return s;
 }
 
 RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan) {
-  if (p.N == 0) return RowStats::allocate(p, o.smoothing());
+  const StatsRequest request{o.smoothing(), o.return_entropy, o.return_argmax};
+  if (p.N == 0) return RowStats::allocate(p, request);
   switch (plan.strategy) {
     case Strategy::StoredLogits: return stats_from_stored_logits(p, o, plan, plan.block_rows);
-    case Strategy::DotTiles: return cuda_row_stats(p.rows(0, p.N), o.smoothing());  // (selected rows gathered)
-    case Strategy::AtenChunks: return aten_row_stats(p, o.smoothing(), plan.block_rows);
+    case Strategy::DotTiles: return cuda_row_stats(p.rows(0, p.N), request);  // (selected rows gathered)
+    case Strategy::AtenChunks: return aten_row_stats(p, request, plan.block_rows);
     case Strategy::VocabTiles: break;
   }
   TORCH_CHECK(false, "fused_ce: the forward has no executor for strategy ", strategy_name(plan.strategy));

@@ -40,7 +40,8 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   // db -= logit_scale * cw * sum(gamma), and the weighted logit sums come from u.
   const bool rank_one = plan.rank_one_smoothing;
   const bool smoothing_in_kernel = o.smoothing() && !rank_one;
-  RowStats s = RowStats::allocate(p, smoothing_in_kernel);
+  const StatsRequest request = stats_request(o, plan);
+  RowStats s = RowStats::allocate(p, request);
   const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor u, neg_gamma;
   if (rank_one) {
@@ -66,11 +67,11 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     if (stored_logits) {
       block = logits_buffer.narrow(0, 0, r1 - r0);
       logits_into(pr, block, plan.logits_scale);
-      cuda_stats_from_logits(pr, block, block_stats, smoothing_in_kernel);
+      cuda_stats_from_logits(pr, block, block_stats);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
       cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
     } else if (o.vocab_parallel()) {  // the lse over all shards before the gradient: the logits twice (CPU)
-      const RowStats part = aten_row_stats(pr, smoothing_in_kernel, r1 - r0);
+      const RowStats part = aten_row_stats(pr, request, r1 - r0);
       block_stats.copy_(part);
       combine_vocab_shards(pr, block_stats, o);
       GradCoefficients with_lse = cr;
@@ -78,7 +79,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       block = aten_logit_grad(pr, with_lse, 0, p.V).to(gemm_dtype);
     } else {
       RowStats part;
-      std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, smoothing_in_kernel);
+      std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, request);
       block = block.to(gemm_dtype);
       block_stats.copy_(part);
     }

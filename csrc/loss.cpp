@@ -49,11 +49,13 @@ at::Tensor expand_rows(const at::Tensor& values, const at::Tensor& index, int64_
 }
 
 // The row stats of every row of p from the counted rows' (`counted`): the ignored rows' lse, where asked for
-// (lse_of_ignored_rows), from a forward pass over them; their other stats 0.
+// (lse_of_ignored_rows), from a forward pass over them; their other stats 0 (the argmax -1: outputs()).
 RowStats every_row(const Problem& p, const LossOptions& o, const CountedRows& rows, const RowStats& counted) {
   const at::Tensor index = rows.counted_index();
   const auto expand = [&](const at::Tensor& t) { return t.defined() ? expand_rows(t, index, p.N, 0.0) : t; };
-  RowStats s{expand(counted.lse), expand(counted.target_gap), expand(counted.log_sum), expand(counted.weighted_z_sum)};
+  RowStats s{expand(counted.lse),     expand(counted.target_gap),
+             expand(counted.log_sum), expand(counted.weighted_z_sum),
+             expand(counted.entropy), expand(counted.argmax)};
   if (o.lse_of_ignored_rows && rows.counted < p.N) {
     const at::Tensor ignored_index = rows.ignored_index();
     const Problem ignored = p.select_rows(ignored_index);
@@ -74,12 +76,17 @@ at::Tensor shaped_loss(const Problem& run, const LossOptions& o, const Plan& pla
   return o.scalar() ? loss : loss.reshape(target_shape);
 }
 
-at::Tensor unrequested(const at::Tensor& like) {
-  return at::empty({0}, like.options());
-}
-
-void check_outputs_supported(const LossOptions& o) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!o.extra_outputs(), "fused_ce: return_entropy and return_argmax are not implemented");
+// The ops' per-row outputs: the lse shaped like the target, the entropy (0 at ignored rows) and the argmax (-1
+// there) where asked for, else empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const Problem& p, const RowStats& s, at::IntArrayRef shape) {
+  const at::Tensor counted = p.target.ge(0);
+  const at::Tensor entropy = s.entropy.defined()
+                                 ? at::where(counted, s.entropy, at::zeros({}, s.entropy.options())).reshape(shape)
+                                 : at::empty({0}, s.lse.options());
+  const at::Tensor argmax = s.argmax.defined()
+                                ? at::where(counted, s.argmax, at::full({}, -1, s.argmax.options())).reshape(shape)
+                                : at::empty({0}, p.target.options());
+  return {s.lse.reshape(shape), entropy, argmax};
 }
 
 }  // namespace
@@ -100,7 +107,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
-  check_outputs_supported(o);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr);
   const Plan plan = make_plan(p, o, Pass::Forward, rows.counted);
@@ -110,7 +116,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
   if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
   const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, rows, p.N, target.sizes()));
   if (plan.counted_rows_only) s = every_row(p, o, rows, s);
-  return {loss, s.lse.reshape(target.sizes()), unrequested(s.lse), unrequested(p.target)};
+  const auto [lse, entropy, argmax] = outputs(p, s, target.sizes());
+  return {loss, lse, entropy, argmax};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
@@ -120,11 +127,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const LossOptions o = LossOptions::parse("linear_cross_entropy_backward" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
-  TORCH_CHECK_NOT_IMPLEMENTED(!grad_entropy && !entropy, "fused_ce: the entropy's gradient is not implemented");
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   // the forward checked these targets; the count is read all the same
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
-  GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse);
+  GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
   c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
   // Ignored rows have no gradient unless their lse has one.
   const bool lse_grad = grad_lse && grad_lse->defined();
@@ -140,7 +146,6 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const LossOptions o = LossOptions::parse("linear_cross_entropy_with_grad" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
   TORCH_CHECK_VALUE(o.scalar(), "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
-  check_outputs_supported(o);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   GradCoefficients unit;
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, &unit);
@@ -153,7 +158,8 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
   const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight, input.scalar_type() == at::kHalf);
   const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, rows, p.N, target.sizes()));
   if (plan.counted_rows_only) s = every_row(p, o, rows, s);
-  return {loss, s.lse.reshape(target.sizes()), unrequested(s.lse), unrequested(p.target), gx, gw, gb};
+  const auto [lse, entropy, argmax] = outputs(p, s, target.sizes());
+  return {loss, lse, entropy, argmax, gx, gw, gb};
 }
 
 void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

@@ -57,7 +57,8 @@ at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const Plan& pla
 }
 
 GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const at::Tensor& grad_loss,
-                                   const std::optional<at::Tensor>& grad_lse) {
+                                   const std::optional<at::Tensor>& grad_lse,
+                                   const std::optional<at::Tensor>& grad_entropy, const at::Tensor& entropy) {
   const auto dtype = loss_dtype(p);
   const auto [valid, wt] = row_weights(p);
   const double eps = o.label_smoothing;
@@ -82,12 +83,18 @@ GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const
   if (grad_lse && grad_lse->defined()) c.alpha = c.alpha + grad_lse->reshape({p.N}).to(dtype);
   c.alpha_lse = per_row((2.0 * o.z_loss) * g_z * valid);
   c.beta = per_row(g_ce * (1.0 - eps) * wt);
-  c.gamma = eps > 0.0 ? per_row(g_ce * (eps / p.V) * valid) : at::zeros({p.N}, valid.options());
+  if (eps > 0.0) c.gamma = per_row(g_ce * (eps / p.V) * valid);  // undefined without label smoothing
+  if (grad_entropy && grad_entropy->defined()) {  // g_H * dH/dz = p * (-g_H * H - g_H * log p), counted rows only
+    const at::Tensor g_h = grad_entropy->reshape({p.N}).to(dtype);
+    c.alpha = c.alpha - per_row(g_h * entropy.reshape({p.N}).to(dtype));
+    c.alpha_z = per_row(-g_h);
+  }
   return c;
 }
 
 GradCoefficients unit_grad_coefficients(const Problem& p, const LossOptions& o) {
-  return grad_coefficients(p, o, at::ones({}, p.x.options().dtype(loss_dtype(p))), std::nullopt);
+  return grad_coefficients(p, o, at::ones({}, p.x.options().dtype(loss_dtype(p))), std::nullopt, std::nullopt,
+                           at::Tensor());
 }
 
 at::Tensor class_weighted_w(const Problem& p) {

@@ -19,10 +19,11 @@ at::Tensor assemble_loss(const Problem& p, const LossOptions& o, const Plan& pla
                          at::IntArrayRef target_shape);
 
 // The coefficients of the logit gradient (problem.h) for an upstream gradient
-// `grad_loss` (0-dim for 'mean'/'sum', [N] for 'none') and optionally one on
-// the lse; `lse` is left for the caller.
+// `grad_loss` (0-dim for 'mean'/'sum', [N] for 'none') and optionally ones on
+// the lse and on the entropy (the rows' `entropy` [N] then given); `lse` is left for the caller.
 GradCoefficients grad_coefficients(const Problem& p, const LossOptions& o, const at::Tensor& grad_loss,
-                                   const std::optional<at::Tensor>& grad_lse);
+                                   const std::optional<at::Tensor>& grad_lse,
+                                   const std::optional<at::Tensor>& grad_entropy, const at::Tensor& entropy);
 // Those of a scalar loss for an upstream gradient of 1.
 GradCoefficients unit_grad_coefficients(const Problem& p, const LossOptions& o);
 

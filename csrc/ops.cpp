@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -227,6 +228,33 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
   return {loss, lse};
 }
 
+// fused_ce::linear_log_probs: log softmax(softcap(z) / temperature)[target] per row (0 where ignored), the
+// entropy and the argmax of that distribution, as _linear_cross_entropy with reduction 'none' (minus its loss):
+// softcap(z) / T is a softcap of s / T on z / T. Composite, so autograd, torch.compile and export see the
+// op it calls.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_LOG_PROB_OPTIONS)
+        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+  TORCH_CHECK_VALUE(temperature > 0.0 && std::isfinite(temperature),
+                    "linear_log_probs: temperature must be a finite value > 0, got ", num(temperature));
+  LossOptions o;  // the defaults, then what log-probs need
+  o.reduction = "none";
+  o.ignore_index = ignore_index;
+  o.softcap = softcap ? std::optional<double>(*softcap / temperature) : std::nullopt;
+  o.logit_scale = 1.0 / temperature;
+  o.workspace_bytes = workspace_bytes;
+  o.lse_of_ignored_rows = false;
+  o.return_entropy = return_entropy;
+  o.return_argmax = return_argmax;
+  o.process_group = std::string(process_group);
+  o.vocab_start = vocab_start;
+  o.vocab_size = vocab_size;
+  o.max_shard_rows = max_shard_rows;
+  const auto [loss, lse, entropy, argmax] = call_loss_op(input, linear_weight, target, linear_bias, std::nullopt, o);
+  return {loss.neg(), entropy, argmax};
+}
+
 // What the build embedded: architectures, and one cubin's bytes (for tests).
 std::vector<int64_t> embedded_archs() {
   std::vector<int64_t> archs;
@@ -276,6 +304,10 @@ TORCH_LIBRARY(fused_ce, m) {
       "Tensor? weight, bool[3] output_mask" FUSED_CE_SCHEMA(
           FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def("linear_log_probs(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None" FUSED_CE_SCHEMA(
+            FUSED_CE_LOG_PROB_OPTIONS)
+            FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor log_probs, Tensor entropy, Tensor argmax)",
+        {at::Tag::pt2_compliant_tag});
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
   m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&plan_of>());
   m.def("_embedded_archs() -> int[]", &embedded_archs);
@@ -296,6 +328,10 @@ TORCH_LIBRARY_IMPL(fused_ce, CUDA, m) {
   m.impl("_linear_cross_entropy", &linear_cross_entropy_all);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
+}
+
+TORCH_LIBRARY_IMPL(fused_ce, CompositeImplicitAutograd, m) {
+  m.impl("linear_log_probs", &linear_log_probs);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {

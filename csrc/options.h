@@ -59,6 +59,16 @@
   X(int64_t, vocab_size, "int", 0)              \
   X(int64_t, max_shard_rows, "int", 0)
 
+// The options of linear_log_probs (its own schema; it calls _linear_cross_entropy with reduction 'none' and the
+// temperature as a logit scale), followed by the shard options.
+#define FUSED_CE_LOG_PROB_OPTIONS(X)                \
+  X(double, temperature, "float", 1.0)              \
+  X(std::optional<double>, softcap, "float?", None) \
+  X(int64_t, ignore_index, "int", -100)             \
+  X(bool, return_entropy, "bool", False)            \
+  X(bool, return_argmax, "bool", False)             \
+  X(std::optional<int64_t>, workspace_bytes, "int?", None)
+
 // Every option, in the internal ops' order.
 #define FUSED_CE_ALL_OPTIONS(X) FUSED_CE_LOSS_OPTIONS(X) FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_SHARD_OPTIONS(X)
 

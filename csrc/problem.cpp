@@ -64,36 +64,48 @@ Problem Problem::cols(int64_t begin, int64_t end) const {
 }
 
 GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
-  return {slice(lse, begin, end), slice(alpha, begin, end), slice(alpha_lse, begin, end), slice(beta, begin, end),
-          slice(gamma, begin, end)};
+  return {slice(lse, begin, end),  slice(alpha, begin, end), slice(alpha_lse, begin, end),
+          slice(beta, begin, end), slice(gamma, begin, end), slice(alpha_z, begin, end)};
 }
 
 GradCoefficients GradCoefficients::select_rows(const at::Tensor& index) const {
-  return {select(lse, index), select(alpha, index), select(alpha_lse, index), select(beta, index),
-          select(gamma, index)};
+  return {select(lse, index),  select(alpha, index), select(alpha_lse, index),
+          select(beta, index), select(gamma, index), select(alpha_z, index)};
 }
 
 GradCoefficients GradCoefficients::scaled(double s) const {
   const auto times = [s](const at::Tensor& t) { return t.defined() ? t * s : t; };
-  return {lse, times(alpha), times(alpha_lse), times(beta), times(gamma)};
+  return {lse, times(alpha), times(alpha_lse), times(beta), times(gamma), times(alpha_z)};
 }
 
 RowStats RowStats::rows(int64_t begin, int64_t end) const {
-  return {slice(lse, begin, end), slice(target_gap, begin, end), slice(log_sum, begin, end),
-          slice(weighted_z_sum, begin, end)};
+  return {slice(lse, begin, end),     slice(target_gap, begin, end),
+          slice(log_sum, begin, end), slice(weighted_z_sum, begin, end),
+          slice(entropy, begin, end), slice(argmax, begin, end)};
 }
 
 void RowStats::copy_(const RowStats& part) const {
   lse.copy_(part.lse);
   target_gap.copy_(part.target_gap);
   log_sum.copy_(part.log_sum);
-  if (weighted_z_sum.defined() && part.weighted_z_sum.defined()) weighted_z_sum.copy_(part.weighted_z_sum);
+  for (const auto& [to, from] : {std::pair{weighted_z_sum, part.weighted_z_sum}, std::pair{entropy, part.entropy},
+                                 std::pair{argmax, part.argmax}}) {
+    if (to.defined() && from.defined()) to.copy_(from);
+  }
 }
 
-RowStats RowStats::allocate(const Problem& p, bool weighted_sums) {
+StatsRequest RowStats::request() const {
+  return {weighted_z_sum.defined(), entropy.defined(), argmax.defined()};
+}
+
+RowStats RowStats::allocate(const Problem& p, const StatsRequest& request) {
   const auto opts = p.x.options().dtype(loss_dtype(p));
-  return {at::empty({p.N}, opts), at::empty({p.N}, opts), at::empty({p.N}, opts),
-          weighted_sums ? at::empty({p.N}, opts) : at::Tensor()};
+  const auto maybe = [&](bool wanted, const at::TensorOptions& o) {
+    return wanted ? at::empty({p.N}, o) : at::Tensor();
+  };
+  return {at::empty({p.N}, opts),       at::empty({p.N}, opts),
+          at::empty({p.N}, opts),       maybe(request.weighted_sums, opts),
+          maybe(request.entropy, opts), maybe(request.argmax, opts.dtype(at::kLong))};
 }
 
 at::ScalarType loss_dtype(const Problem& p) {

@@ -49,24 +49,36 @@ struct Problem {
 
 // The loss's cross-entropy term per row is target_gap + log_sum: no cancellation between large numbers
 // (lse - z_target would lose everything below the lse's rounding, e.g. 2.0 instead of log 8 at logits of 2^24).
-// All [N] in the loss dtype (loss_dtype).
+// Which row statistics a stage computes besides the lse, the target's gap and the log-sum.
+struct StatsRequest {
+  bool weighted_sums = false;  // label smoothing's class-weighted logit sums
+  bool entropy = false;
+  bool argmax = false;
+};
+
+// All [N] in the loss dtype (loss_dtype), argmax int64; the optional ones undefined where not asked for.
 struct RowStats {
   at::Tensor lse;                                   // max + log_sum
   at::Tensor target_gap;                            // max - z[r, target] (0 where the target is ignored)
   at::Tensor log_sum;                               // log sum_c exp(z[r, c] - max), in [0, log V]
-  at::Tensor weighted_z_sum;                        // with label smoothing only: sum_c cw[c] * z[r, c]
+  at::Tensor weighted_z_sum;                        // with label smoothing: sum_c cw[c] * z[r, c]
+  at::Tensor entropy;                               // -sum_c p log p of the row's softmax
+  at::Tensor argmax;                                // the most likely class (the lowest on ties)
   RowStats rows(int64_t begin, int64_t end) const;  // views of rows [begin, end)
   void copy_(const RowStats& part) const;           // part's values into these (same rows)
-  // Uninitialised stats of p's rows in the loss dtype; weighted_z_sum only with `weighted_sums`.
-  static RowStats allocate(const Problem& p, bool weighted_sums);
+  StatsRequest request() const;                     // which optional ones these have
+  // Uninitialised stats of p's rows, the optional ones as asked for.
+  static RowStats allocate(const Problem& p, const StatsRequest& request);
 };
 
 // Per-row coefficients of the logit gradient:
-//   g = logit_scale * softcap'(z) * (p * (alpha + alpha_lse * lse) - beta * onehot(target) - gamma * class_weight)
-// (the z-loss term is proportional to the lse, which the fused forward only
-// knows inside the kernel). `lse` may be undefined where the stage computes it.
+//   g = logit_scale * softcap'(z) * (p * (alpha + alpha_lse * lse + alpha_z * log p) - beta * onehot(target)
+//                                    - gamma * class_weight)
+// (the z-loss term is proportional to the lse, which the fused forward only knows inside the kernel; the
+// entropy's gradient is -p * (log p + H): alpha_z, undefined without it; gamma is undefined without label
+// smoothing). `lse` may be undefined where the stage computes it.
 struct GradCoefficients {
-  at::Tensor lse, alpha, alpha_lse, beta, gamma;  // [N] in the loss dtype, contiguous
+  at::Tensor lse, alpha, alpha_lse, beta, gamma, alpha_z;  // [N] in the loss dtype, contiguous
   GradCoefficients rows(int64_t begin, int64_t end) const;
   GradCoefficients scaled(double s) const;  // the gradient times s (lse as it is)
   GradCoefficients select_rows(const at::Tensor& index) const;

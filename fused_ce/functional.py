@@ -22,6 +22,12 @@ _ALL_OPTIONS = _option_names(torch.ops.fused_ce._linear_cross_entropy)  # the op
 _LOSS_OPTIONS = _option_names(torch.ops.fused_ce.linear_cross_entropy)  # the public op's (saved graphs)
 
 
+def _shard_options(shard):
+    """The shard options by name (csrc/options.h); ``shard``: (group name, vocab_start, shard sizes) or None."""
+    group, vocab_start, sizes = shard if shard is not None else ("", 0, [0])
+    return dict(process_group=group, vocab_start=vocab_start, vocab_size=sum(sizes), max_shard_rows=max(sizes))
+
+
 def _op_options(
     *,
     reduction="mean",
@@ -37,7 +43,6 @@ def _op_options(
     shard=None,
 ):
     """The ops' option arguments by name (csrc/options.h); ``shard``: (group name, vocab_start, shard sizes)."""
-    group, vocab_start, sizes = shard if shard is not None else ("", 0, [0])
     options = dict(
         reduction=reduction,
         ignore_index=-100 if ignore_index is None else int(ignore_index),
@@ -49,20 +54,48 @@ def _op_options(
         lse_of_ignored_rows=bool(lse_of_ignored_rows),
         return_entropy=bool(return_entropy),
         return_argmax=bool(return_argmax),
-        process_group=group,
-        vocab_start=vocab_start,
-        vocab_size=sum(sizes),
-        max_shard_rows=max(sizes),
+        **_shard_options(shard),
     )
-    if set(options) != set(_ALL_OPTIONS):  # also checked at import, below
-        raise ImportError(
-            f"fused_ce: the Python front sets the options {sorted(options)} but the ops declare {list(_ALL_OPTIONS)} "
-            "(csrc/options.h): give each new option a keyword here"
-        )
     return options
 
 
-_DEFAULT_OPTIONS = _op_options()  # fails at import when the ops' options and the front's differ
+def _check_front(op_name, declared, options):
+    """At import: the front sets exactly the options the op declares (a new C++ option needs a keyword here)."""
+    if set(options) != set(declared):
+        raise ImportError(
+            f"fused_ce: the Python front of {op_name} sets the options {sorted(options)} but the op declares "
+            f"{list(declared)} (csrc/options.h): give each new option a keyword in fused_ce/functional.py"
+        )
+
+
+_DEFAULT_OPTIONS = _op_options()
+_check_front("_linear_cross_entropy", _ALL_OPTIONS, _DEFAULT_OPTIONS)
+
+
+def _log_prob_options(
+    *,
+    temperature=1.0,
+    softcap=None,
+    ignore_index=-100,
+    return_entropy=False,
+    return_argmax=False,
+    workspace_bytes=None,
+    shard=None,
+):
+    """linear_log_probs' option arguments by name (csrc/options.h, FUSED_CE_LOG_PROB_OPTIONS)."""
+    options = dict(
+        temperature=float(temperature),
+        softcap=None if softcap is None else float(softcap),
+        ignore_index=-100 if ignore_index is None else int(ignore_index),
+        return_entropy=bool(return_entropy),
+        return_argmax=bool(return_argmax),
+        workspace_bytes=workspace_bytes,
+        **_shard_options(shard),
+    )
+    return options
+
+
+_check_front("linear_log_probs", _option_names(torch.ops.fused_ce.linear_log_probs), _log_prob_options())
 
 
 def _call(input, linear_weight, target, linear_bias, weight, options):
@@ -286,6 +319,72 @@ def _k_dimensional(
     if return_lse:
         return loss, torch.stack(lses, 1).reshape(N, *positions)
     return loss
+
+
+class LogProbs(NamedTuple):
+    """What :func:`linear_log_probs` returns with ``return_entropy`` or ``return_argmax``: None where not asked."""
+
+    log_probs: Tensor
+    entropy: Tensor | None
+    argmax: Tensor | None
+
+
+def linear_log_probs(
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    linear_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int | None = -100,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+    process_group=None,
+    workspace_bytes: int | None = None,
+) -> Tensor | LogProbs:
+    r"""Per-token log-probabilities of ``target`` under ``softmax(softcap(input @ linear_weight.T + linear_bias) /
+    temperature)``, without the logits: what policy-gradient RL (GRPO, PPO, DAPO, ...) needs of the lm_head.
+
+    Args:
+        input: ``[..., D]`` hidden states, float32, bfloat16 or float16.
+        linear_weight: ``[V, D]`` (this rank's vocabulary shard with ``process_group``).
+        target: ``[...]`` the sampled tokens (any integer dtype), ``ignore_index`` where not counted.
+        linear_bias: optional ``[V]``.
+        temperature: ``T > 0``: the logits (after the softcap) are divided by it, as a sampler's temperature.
+        softcap: ``s > 0`` or None: ``s * tanh(z / s)`` before the temperature.
+        return_entropy: also the entropy ``-sum p log p`` of each row's distribution (float32, differentiable:
+            its gradient ``-p (log p + H) / T`` through the logits).
+        return_argmax: also the most likely token (int64; the lowest index on ties): token accuracy without
+            logits.
+        process_group: vocabulary parallel, as in :func:`linear_cross_entropy` (the entropy and argmax are
+            combined over the shards); DTensors need none.
+        workspace_bytes: as in :func:`linear_cross_entropy`.
+
+    Returns:
+        The float32 log-probabilities shaped like ``target`` (0 at ignored rows, differentiable for any upstream
+        gradient: the backward recomputes the logits, 8NDV flops in all), or, with ``return_entropy`` or
+        ``return_argmax``, ``LogProbs(log_probs, entropy, argmax)``: the entropy 0 and the argmax -1 at ignored
+        rows, None where not asked for. Rows whose target is ``ignore_index`` are not computed at all.
+    """
+    input, linear_weight, target, linear_bias, _, shard = _vocab_parallel(
+        input, linear_weight, target, linear_bias, None, process_group, None
+    )
+    options = _log_prob_options(
+        temperature=temperature,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+        return_argmax=return_argmax,
+        workspace_bytes=workspace_bytes,
+        shard=shard,
+    )
+    log_probs, entropy, argmax = torch.ops.fused_ce.linear_log_probs(
+        input, linear_weight, target, linear_bias, **options
+    )
+    if not (return_entropy or return_argmax):
+        return log_probs
+    return LogProbs(log_probs, entropy if return_entropy else None, argmax if return_argmax else None)
 
 
 _DTYPES = {"BFloat16": torch.bfloat16, "Half": torch.float16, "Float": torch.float32, "Double": torch.float64}

@@ -192,6 +192,82 @@ def test_scale(dtype):
     torch.testing.assert_close(g, (before.float() * s).to(dtype), rtol=0, atol=0)
 
 
+def tied_logits(x, w, t):
+    """Rows whose max logit appears twice, in different segments and splits: the argmax is the lower index."""
+    N, V = x.shape[0], w.shape[0]
+    w = w.clone()
+    w[V - 2] = w[3]  # the same logits in two far-apart columns
+    x = x.clone()
+    x[::2] = w[3].to(x.dtype) * 40  # ... and there the row max
+    return x, w
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
+def test_entropy_and_argmax_from_both_forwards(case):
+    x, w, t, b, cw, scale, cap = case_inputs(case)
+    x, w = tied_logits(x, w, t)
+    z = transformed_logits(x, w, b, scale, cap)
+    log_p = z.log_softmax(1)
+    ref_entropy = -(log_p.exp() * log_p).sum(1)
+    ref_argmax = z.argmax(1)
+    kw = dict(bias=b, class_weight=cw, logit_scale=scale, softcap=cap)
+    *_, entropy, argmax = jit.row_stats(x, w, t, entropy=True, argmax=True, num_splits=3, **kw)
+    tol = 1e-4 if x.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=tol, atol=tol)
+    # tl.dot's rounding may order near-equal logits otherwise than float64: the argmax holds the max (within
+    # rounding); the exact tie-break is checked on stored logits below
+    rows = torch.arange(x.shape[0], device=DEVICE)
+    top = z.max(1).values
+    assert (z[rows, argmax] >= top - tol * top.abs().clamp_min(1)).all()
+    assert torch.isin(argmax[::2], torch.tensor([3, w.shape[0] - 2], device=DEVICE)).all()
+    del ref_argmax
+    # the stored-logits pass (logit_partials, combine_partials) on the same logits
+    raw = (x.double() @ w.double().T + (b.double() if b is not None else 0)).to(x.dtype)
+    raw[:, -2] = raw[:, 3]  # exact ties (a GEMM may round the two columns apart)
+    zs = raw.double() * scale
+    if cap is not None:
+        zs = cap * torch.tanh(zs / cap)
+    log_ps = zs.log_softmax(1)
+    approx = x.dtype != torch.float32 and cap is not None and DEVICE == "cuda"  # tanh.approx
+    *_, entropy, argmax = jit.stats_from_logits(
+        raw, t, class_weight=cw, logit_scale=scale, softcap=cap, entropy=True, argmax=True
+    )
+    torch.testing.assert_close(
+        entropy.double(), -(log_ps.exp() * log_ps).sum(1), rtol=1e-4, atol=5e-3 if approx else 1e-4
+    )
+    if not approx:  # stored logits tie exactly: the first of equal maxima, as torch's argmax
+        assert torch.equal(argmax, zs.argmax(1))
+        holds_tie = zs[:, 3] == zs.max(1).values
+        assert holds_tie[::2].any() and (argmax[holds_tie] == 3).all()
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['N']}x{c['D']}x{c['V']}-{c['dtype']}")
+def test_entropy_gradient_term(case):
+    # alpha_z * p * log p in both gradient kernels: with alpha = -g H, alpha_z = -g it is g * dH/dz
+    N, V = case["N"], case["V"]
+    x, w, t, b, cw, scale, cap = case_inputs(case)
+    z = transformed_logits(x, w, b, scale, cap)
+    log_p = z.log_softmax(1)
+    p = log_p.exp()
+    entropy = -(p * log_p).sum(1)
+    g_h = torch.randn(N, dtype=torch.float64, device=DEVICE)
+    ref = -g_h[:, None] * p * (log_p + entropy[:, None])
+    if cap is not None:
+        ref = ref * (1 - (z / cap) ** 2)
+    ref = ref * scale
+    zero = torch.zeros(N, device=DEVICE)
+    alpha, alpha_z = (-g_h * entropy).float(), (-g_h).float()
+    lse = z.logsumexp(1).float()
+    tol = 1e-4 if x.dtype == torch.float32 else 2e-2
+    g = jit.logit_grad(
+        x, w, t, lse, alpha, zero, zero, zero, 0, V, bias=b, logit_scale=scale, softcap=cap, alpha_z=alpha_z
+    )
+    torch.testing.assert_close(g.double(), ref, rtol=tol, atol=tol)
+    raw = (x.double() @ w.double().T + (b.double() if b is not None else 0)).to(x.dtype)
+    jit.softmax_grad(raw, t, lse, alpha, zero, zero, zero, logit_scale=scale, softcap=cap, alpha_z=alpha_z)
+    torch.testing.assert_close(raw.double(), ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("class_weight", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_prepare_rows_and_assemble_loss(class_weight, reduction):

@@ -274,3 +274,112 @@ def test_target_shaped_like_the_logits_is_a_runtime_error_as_in_torch():
     x, w, t, _ = make_problem(8, 6, 10)
     with pytest.raises(RuntimeError, match="shape of the logits"):
         fused_ce.linear_cross_entropy(x, w, torch.zeros(8, 10, dtype=torch.long))
+
+
+# ---- issue 25's adversarial findings, each against torch ----
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_class_weight_on_a_class_no_row_counts(device, reduction, dtype):
+    # inverse-frequency weights with a zero count (1 / bincount): inf on classes no row holds
+    x, w, t, _ = make_problem(64, 16, 40, dtype=dtype, device=device)
+    t = t.clamp_min(0) % 20  # classes 20..39 are never targets
+    cw = 1.0 / torch.bincount(t, minlength=40).float()
+    assert torch.isinf(cw).any()
+    xl, wl = leaves(x, w)
+    got = fused_ce.linear_cross_entropy(xl, wl, t, weight=cw, reduction=reduction)
+    xr, wr = leaves(x, w)
+    want = reference_loss(xr, wr, t, weight=cw, reduction=reduction)
+    torch.testing.assert_close(got, want.float(), rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-4)
+    upstream = torch.randn_like(want)
+    g = torch.autograd.grad((got * upstream).sum(), [xl, wl])
+    e = torch.autograd.grad((want * upstream).sum(), [xr, wr])
+    for a, b in zip(g, e):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all()
+        assert rel_err(a, b) < (2e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_non_finite_class_weight_compiled():
+    x, w, t, _ = make_problem(64, 16, 40)
+    t = t.clamp_min(0) % 20
+    cw = 1.0 / torch.bincount(t, minlength=40).float()
+    xl, wl = leaves(x, w)
+    fn = torch.compile(lambda x, w: fused_ce.linear_cross_entropy(x, w, t, weight=cw), fullgraph=True)
+    fn(xl, wl).backward()
+    assert torch.isfinite(xl.grad).all() and torch.isfinite(wl.grad).all()
+
+
+@pytest.mark.parametrize("which", ["target", "linear_weight", "linear_bias", "weight", "input"])
+def test_meta_tensors_mixed_with_cpu_ones_are_an_error_as_in_torch(which):
+    x, w, t, b = make_problem(8, 6, 10, bias=True)
+    args = dict(input=x, linear_weight=w, target=t, linear_bias=b, weight=torch.rand(10))
+    args[which] = args[which].to("meta")
+    if which != "linear_weight":  # (torch's F.linear takes a meta weight with a CPU input; fused_ce refuses it too)
+        with pytest.raises(RuntimeError, match="device"):
+            torch.nn.functional.cross_entropy(
+                torch.nn.functional.linear(args["input"], args["linear_weight"], args["linear_bias"]),
+                args["target"],
+                weight=args["weight"],
+            )
+    with pytest.raises(RuntimeError, match="device"):
+        fused_ce.linear_cross_entropy(
+            args["input"],
+            args["linear_weight"],
+            args["target"],
+            linear_bias=args["linear_bias"],
+            weight=args["weight"],
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_an_infinite_logit_gives_torchs_nan(device, reduction):
+    x, w, t, b = make_problem(16, 8, 30, device=device, bias=True)
+    t = t.clamp_min(0)
+    t[t == 3] = 4
+    b = b.clone()
+    b[3] = float("inf")  # +inf in a logit no row targets
+    got, lse = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction, return_lse=True)
+    want = reference_loss(x, w, t, linear_bias=b, reduction=reduction)
+    assert torch.isnan(want).all() and torch.isnan(got).all()
+    assert torch.isinf(lse).all()  # the lse as logsumexp has it
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_class_weights_summing_to_zero_leave_ignored_rows_zero(device):
+    x, w, t, _ = make_problem(32, 8, 6, device=device)
+    t = t.clamp_min(0)
+    t[::4] = -100
+    cw = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.5, -0.5], device=device)
+    t[~(t == -100)] = torch.tensor([0, 1], device=device).repeat(16)[: int((t != -100).sum())]  # weights sum to 0
+    xl = x.detach().clone().requires_grad_()
+    loss = fused_ce.linear_cross_entropy(xl, w, t, weight=cw)
+    want = reference_loss(x, w, t, weight=cw)
+    assert not torch.isfinite(loss) and not torch.isfinite(want)
+    loss.backward()
+    assert (xl.grad[t == -100] == 0).all()  # as torch gives, and as the README promises
+
+
+@pytest.mark.parametrize("option", ["softcap", "logit_scale"])
+def test_softcap_and_logit_scale_beyond_float32_are_errors(option):
+    x, w, t, _ = make_problem(8, 6, 10)
+    with pytest.raises(ValueError, match=option):
+        fused_ce.linear_cross_entropy(x, w, t, **{option: 1e39})
+    if option == "softcap":
+        with pytest.raises(ValueError, match=option):
+            fused_ce.linear_cross_entropy(x, w, t, softcap=1e-39)
+
+
+def test_torch_func_transforms_name_fused_ce():
+    x, w, t, _ = make_problem(8, 6, 10)
+    for transform in (torch.func.grad, lambda f: lambda x: torch.func.vjp(f, x)[1](torch.ones(()))):
+        with pytest.raises(NotImplementedError, match="fused_ce.*torch.func"):
+            transform(lambda x: fused_ce.linear_cross_entropy(x, w, t))(x)
+
+
+def test_cpu_workspace_floor_is_one_row_of_logits():
+    x, w, t, _ = make_problem(100, 8, 3000, ignore_frac=0.0)
+    plan = fused_ce.plan(x, w, t, workspace_bytes=1)
+    assert plan.block_rows == 1 and plan.workspace_bytes == 3000 * 4  # one row of float32 logits (the docs' floor)

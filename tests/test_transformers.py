@@ -33,6 +33,7 @@ CONFIGS = {
     "gemma2": ("Gemma2Config", dict(final_logit_softcapping=3.0)),  # small cap: its effect is visible
     "gemma3_text": ("Gemma3TextConfig", dict(final_logit_softcapping=3.0)),
     "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)),
 }
 
 
@@ -101,7 +102,9 @@ def test_shift_labels_and_logits_to_keep():
     ids, labels = batch("cpu")
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     expected = ref(input_ids=ids, labels=labels).loss
-    torch.testing.assert_close(model(input_ids=ids, shift_labels=shifted).loss, expected, rtol=1e-5, atol=1e-6)
+    # as transformers passes them (context parallel): labels, and shift_labels that the loss uses instead
+    got = model(input_ids=ids, labels=labels, shift_labels=shifted).loss
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     # logits_to_keep: the loss over the last positions only, as transformers slices the hidden states
     keep = 5
     want = ref(input_ids=ids, logits_to_keep=keep).logits

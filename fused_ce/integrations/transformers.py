@@ -3,23 +3,25 @@
     from fused_ce.integrations.transformers import apply
     model = apply(AutoModelForCausalLM.from_pretrained(...))   # or apply(LlamaForCausalLM), apply("llama")
 
-When ``labels`` (or ``shift_labels``) are given, the patched forward runs the base model, takes its last hidden
-states and computes the loss from them and the lm_head weight (and bias) with fused_ce; the output's ``logits``
-is then None. Without labels (generation, evaluation of logits) the forward is the model's own.
+The model's own forward runs, rewritten once per class: its head call ``logits = self.lm_head(hidden)`` yields
+the hidden states and the head instead of logits, what the forward then does to its logits (divide or multiply
+by a constant, a tanh softcap, a vocabulary slice, ``.float()``) is recorded, and its
+``self.loss_function(logits, labels, ...)`` is fused_ce's loss of the same meaning (transformers'
+``ForCausalLMLoss``: shifted labels or ``shift_labels``, ``ignore_index``, ``num_items_in_batch``). Everything
+else is the model's own code: the base model, ``logits_to_keep`` (int or tensor), a MoE router's auxiliary loss
+added to the loss, ``return_dict=False``, the outputs. Only the output's ``logits`` is None.
 
-Semantics the Trainer relies on, as transformers' ``ForCausalLMLoss``: labels shifted by one (or
-``shift_labels`` as given), ``ignore_index=-100``, ``num_items_in_batch`` (the sum of token losses divided by it,
-so gradient accumulation matches one large batch), ``logits_to_keep`` (the positions whose hidden states are
-used), Gemma's ``config.final_logit_softcapping`` (fused_ce's ``softcap``), tied embeddings (the lm_head weight
-is the embedding, its gradient accumulates there).
-
-Supported: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3 by family name, and any model with the
-common layout, detected on the instance or class: a ``*ForCausalLM`` whose ``model`` attribute is the base model
-(returning ``last_hidden_state``) and whose ``lm_head`` is an ``nn.Linear``. transformers is imported lazily.
+A forward that uses its logits any other way (a learned scale, a head module with a forward of its own, a
+second softcap, a loss of its own) is refused when ``apply`` is called, naming the line; so is a head that
+is not an ``nn.Linear`` (at the first call, for a class). Without labels (generation) the forward is the
+model's own. ``import fused_ce`` never imports transformers.
 """
 
+import ast
 import functools
 import inspect
+import sys
+import textwrap
 import types
 
 import torch
@@ -27,6 +29,7 @@ from torch import nn
 
 from ..functional import linear_cross_entropy
 
+# Names for apply("llama") etc.: any causal LM class works, these are shortcuts.
 FAMILIES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -35,9 +38,8 @@ FAMILIES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
 }
-# Arguments of a *ForCausalLM forward that belong to the loss, not to the base model.
-_LOSS_ARGUMENTS = ("labels", "logits_to_keep", "num_logits_to_keep")
 
 
 def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel mapping use)
@@ -50,6 +52,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     shift_labels=None,
     final_logit_softcapping=None,
     lm_head_bias=None,
+    logit_scale=1.0,
     **kwargs,
 ):
     """transformers' ``ForCausalLMLoss`` from the hidden states and the lm_head weight (the signature of the
@@ -57,6 +60,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
 
     ``hidden_states [..., T, D]`` and ``labels [..., T]``: position t predicts label t + 1 unless
     ``shift_labels`` is given. 'mean' over the counted tokens, or their sum divided by ``num_items_in_batch``.
+    The logits are ``softcap(logit_scale * (hidden @ W.T + b))``.
     """
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -71,12 +75,385 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
         reduction=reduction,
         ignore_index=ignore_index,
         softcap=final_logit_softcapping,
+        logit_scale=logit_scale,
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+class Refused(TypeError):
+    """A model whose forward fused_ce cannot reproduce without building its logits."""
+
+
+class HeadLogits:
+    """What a rewritten forward holds instead of its logits: the head's input and weight, and the transforms
+    the forward applied since (``softcap(logit_scale * logits)`` and a vocabulary slice)."""
+
+    def __init__(self, head, hidden):
+        self.head, self.hidden = head, hidden
+        self.pre_scale, self.post_scale, self.tanh, self.vocab = 1.0, 1.0, False, None
+
+    def _copy(self, **changes):
+        out = HeadLogits(self.head, self.hidden)
+        out.pre_scale, out.post_scale, out.tanh, out.vocab = self.pre_scale, self.post_scale, self.tanh, self.vocab
+        for name, value in changes.items():
+            setattr(out, name, value)
+        return out
+
+    def scaled(self, factor):
+        if torch.is_tensor(factor):
+            raise Refused(
+                "fused_ce: the model multiplies its logits by a tensor (a learned or runtime scale), which fused_ce "
+                "cannot fuse; use the model unpatched"
+            )
+        factor = float(factor)
+        return (
+            self._copy(post_scale=self.post_scale * factor)
+            if self.tanh
+            else self._copy(pre_scale=self.pre_scale * factor)
+        )
+
+    def tanh_(self):
+        if self.tanh:
+            raise Refused("fused_ce: the model applies tanh to its logits twice; fused_ce has one softcap")
+        return self._copy(tanh=True)
+
+    def sliced(self, stop):
+        stop = int(stop)
+        return self._copy(vocab=stop if self.vocab is None else min(self.vocab, stop))
+
+    @property
+    def vocab_size(self):
+        rows = self.head.weight.shape[0]
+        return rows if self.vocab is None else min(rows, self.vocab)
+
+    def loss_arguments(self):
+        """(weight, bias, softcap, logit_scale) of fused_ce's loss: a * tanh(b * raw) is softcap a at scale a * b."""
+        weight, bias = self.head.weight, self.head.bias
+        if self.vocab is not None and self.vocab < weight.shape[0]:
+            weight = weight[: self.vocab]
+            bias = None if bias is None else bias[: self.vocab]
+        if not self.tanh:
+            return weight, bias, None, self.pre_scale
+        return weight, bias, self.post_scale, self.post_scale * self.pre_scale
+
+
+def _head_of(model, name):
+    head = getattr(model, name)
+    if type(head) is not nn.Linear:
+        raise Refused(
+            f"fused_ce: {type(model).__name__}.{name} is a {type(head).__name__}, not an nn.Linear: its own forward "
+            "would be skipped; use the model unpatched"
+        )
+    return head
+
+
+# The rewritten forward calls these (the names the rewriter gives them).
+def _fce_head(model, name, hidden):
+    return HeadLogits(_head_of(model, name), hidden)
+
+
+def _fce_div(logits, divisor):
+    return logits.scaled(1.0 / divisor) if isinstance(logits, HeadLogits) else logits / divisor
+
+
+def _fce_mul(logits, factor):
+    return logits.scaled(factor) if isinstance(logits, HeadLogits) else logits * factor
+
+
+def _fce_tanh(logits):
+    return logits.tanh_() if isinstance(logits, HeadLogits) else torch.tanh(logits)
+
+
+def _fce_vocab_slice(logits, stop):
+    return logits.sliced(stop) if isinstance(logits, HeadLogits) else logits[..., :stop]
+
+
+def _fce_device(logits):
+    return logits.hidden.device if isinstance(logits, HeadLogits) else logits.device
+
+
+def _fce_vocab_size(logits):
+    return logits.vocab_size if isinstance(logits, HeadLogits) else logits.shape[-1]
+
+
+def _fce_loss(model, *args, **kwargs):
+    """The model's self.loss_function(logits, labels, vocab_size, **kwargs), fused: transformers' ForCausalLMLoss."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if model.loss_function is not LOSS_MAPPING["ForCausalLM"]:
+        raise Refused(
+            f"fused_ce: {type(model).__name__}'s loss_function is not transformers' ForCausalLMLoss; fused_ce "
+            "reproduces that one only: use the model unpatched"
+        )
+    names = ("logits", "labels", "vocab_size")
+    bound = dict(zip(names, args), **kwargs)
+    logits, labels = bound.pop("logits"), bound.pop("labels")
+    bound.pop("vocab_size", None)
+    weight, bias, softcap, logit_scale = logits.loss_arguments()
+    return ForCausalLMLoss(
+        logits.hidden,
+        weight,
+        labels,
+        final_logit_softcapping=softcap,
+        lm_head_bias=bias,
+        logit_scale=logit_scale,
+        **bound,
+    )
+
+
+class _Rewriter(ast.NodeTransformer):
+    """Rewrites a causal LM's forward (see the module's docstring). ``logits`` names hold HeadLogits."""
+
+    def __init__(self, source_name):
+        self.source_name = source_name
+        self.lazy = set()  # names holding the head's logits
+        self.head = None  # the head attribute's name
+
+    def refuse(self, node, why):
+        line = ast.unparse(node).splitlines()[0]
+        raise Refused(f"fused_ce: {self.source_name} {why}: `{line}`; use the model unpatched")
+
+    # -- which expressions hold logits
+    def is_lazy(self, node):
+        return any(isinstance(n, ast.Name) and n.id in self.lazy for n in ast.walk(node)) or any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "_fce_head"
+            for n in ast.walk(node)
+        )
+
+    @staticmethod
+    def call(name, *args):
+        return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
+
+    def head_call(self, node):
+        """self.<attr>(hidden) -> _fce_head(self, "<attr>", hidden), or None if node is no head call."""
+        f = node.func
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+            return None
+        if self.head is not None and f.attr != self.head:
+            return None
+        if len(node.args) != 1 or node.keywords or f.attr in ("model", "transformer", "loss_function"):
+            return None
+        return f.attr
+
+    # -- statements
+    def visit_Assign(self, node):
+        if self.head is None and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = self.find_head(node.value)
+            if value is not None:
+                self.lazy.add(node.targets[0].id)
+                node.value = value
+                return node
+        if self.head is None:
+            return node
+        node.value = self.expression(node.value)
+        if self.holds_logits(node.value):
+            for target in node.targets:
+                if not isinstance(target, ast.Name):
+                    self.refuse(node, "stores its logits where fused_ce cannot follow them")
+                self.lazy.add(target.id)
+        return node
+
+    def find_head(self, value):
+        """The head call at the root of `value` (through .float(), .contiguous(), * constant), rewritten."""
+        if isinstance(value, ast.Call):
+            attr = self.head_call(value)
+            if attr is not None and isinstance(value.args[0], ast.expr):
+                self.head = attr
+                return self.call("_fce_head", ast.Name(id="self", ctx=ast.Load()), ast.Constant(attr), value.args[0])
+            if isinstance(value.func, ast.Attribute) and value.func.attr in ("float", "contiguous"):
+                inner = self.find_head(value.func.value)
+                if inner is not None:
+                    return inner
+        if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div)):
+            inner = self.find_head(value.left)
+            if inner is not None:
+                return self.call("_fce_mul" if isinstance(value.op, ast.Mult) else "_fce_div", inner, value.right)
+        return None
+
+    def generic_statement(self, node):
+        if self.head is not None:
+            for field in ("value", "test", "iter"):
+                if getattr(node, field, None) is not None:
+                    setattr(node, field, self.expression(getattr(node, field)))
+        return self.generic_visit(node)
+
+    visit_Return = visit_Expr = visit_If = visit_AugAssign = visit_AnnAssign = generic_statement
+
+    def visit_Call(self, node):
+        if isinstance(node.func, ast.Name) and node.func.id == "super" and not node.args:
+            self.refuse(node, "calls super() without arguments, which a rewritten copy cannot")
+        return self.generic_visit(node)
+
+    # -- expressions holding logits
+    def expression(self, node):
+        if not self.is_lazy(node):
+            return node
+        if isinstance(node, ast.Name):
+            return node
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id.startswith("_fce_"):
+                return node
+            if isinstance(f, ast.Attribute) and f.attr == "loss_function":
+                args = [self.lazy_value(a) for a in node.args]
+                keywords = [ast.keyword(arg=k.arg, value=self.lazy_value(k.value)) for k in node.keywords]
+                return ast.Call(func=ast.Name(id="_fce_loss", ctx=ast.Load()), args=[f.value, *args], keywords=keywords)
+            if isinstance(f, ast.Attribute) and f.attr in ("float", "contiguous", "to") and self.is_lazy(f.value):
+                return self.expression(f.value)
+            if isinstance(f, ast.Attribute) and f.attr == "tanh" and len(node.args) == 1 and not node.keywords:
+                return self.call("_fce_tanh", self.expression(node.args[0]))
+            if isinstance(f, ast.Attribute) and f.attr == "tanh" and not node.args and self.is_lazy(f.value):
+                return self.call("_fce_tanh", self.expression(f.value))
+            if any(k.arg == "logits" for k in node.keywords) or self.outputs_call(node):
+                # the output's constructor: logits=None, every other field as the model gives it
+                for k in node.keywords:
+                    if k.arg == "logits" and self.holds_logits(k.value):
+                        k.value = ast.Constant(None)
+                    elif self.is_lazy(k.value):
+                        if self.holds_logits(k.value):
+                            self.refuse(node, f"passes its logits as {k.arg}")
+                        k.value = self.expression(k.value)
+                if any(self.is_lazy(a) for a in node.args):
+                    self.refuse(node, "passes its logits to a call")
+                return node
+            # any other call: values read off the logits (their device, vocabulary size) may be its arguments
+            if self.is_lazy(f):
+                self.refuse(node, "calls a method of its logits")
+            node.args = [self.lazy_value(a) for a in node.args]
+            node.keywords = [ast.keyword(arg=k.arg, value=self.lazy_value(k.value)) for k in node.keywords]
+            if any(self.holds_logits(a) for a in node.args) or any(self.holds_logits(k.value) for k in node.keywords):
+                self.refuse(node, "passes its logits to a call")
+            return node
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+            left, right = self.is_lazy(node.left), self.is_lazy(node.right)
+            if left and not right:
+                name = "_fce_mul" if isinstance(node.op, ast.Mult) else "_fce_div"
+                return self.call(name, self.expression(node.left), node.right)
+            if right and not left and isinstance(node.op, ast.Mult):
+                return self.call("_fce_mul", self.expression(node.right), node.left)
+        if isinstance(node, ast.Subscript) and self.is_lazy(node.value):
+            # logits.shape[-1] (the vocabulary), logits[..., :n] (a vocabulary slice)
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+                if isinstance(node.slice, ast.UnaryOp) and ast.unparse(node.slice) == "-1":
+                    return self.call("_fce_vocab_size", self.expression(node.value.value))
+            s = node.slice
+            if (
+                isinstance(s, ast.Tuple)
+                and len(s.elts) == 2
+                and isinstance(s.elts[0], ast.Constant)
+                and s.elts[0].value is Ellipsis
+                and isinstance(s.elts[1], ast.Slice)
+                and s.elts[1].lower is None
+                and s.elts[1].step is None
+                and s.elts[1].upper is not None
+            ):
+                return self.call("_fce_vocab_slice", self.expression(node.value), s.elts[1].upper)
+        if isinstance(node, ast.Attribute) and node.attr == "device" and self.holds_logits(self.expression(node.value)):
+            return self.call("_fce_device", self.expression(node.value))
+        if isinstance(node, (ast.Compare, ast.BoolOp, ast.BinOp, ast.Tuple, ast.UnaryOp)):
+            # a combination of values read off the logits (their vocabulary size, device) is fine; the logits
+            # themselves in one are not (a return tuple's logits are None)
+            for field, value in ast.iter_fields(node):
+                if isinstance(value, ast.expr):
+                    rewritten = self.expression(value)
+                    if self.holds_logits(rewritten):
+                        self.refuse(node, "uses its logits in a way fused_ce cannot reproduce without them")
+                    setattr(node, field, rewritten)
+                elif isinstance(value, list):
+                    items = []
+                    for item in value:
+                        if isinstance(item, ast.expr):
+                            if isinstance(node, ast.Tuple) and self.holds_logits(item):
+                                item = ast.Constant(None)
+                            item = self.expression(item)
+                            if self.holds_logits(item):
+                                self.refuse(node, "uses its logits in a way fused_ce cannot reproduce without them")
+                        items.append(item)
+                    setattr(node, field, items)
+            return node
+        if isinstance(node, ast.IfExp):
+            node.test, node.body, node.orelse = (self.expression(n) for n in (node.test, node.body, node.orelse))
+            return node
+        self.refuse(node, "uses its logits in a way fused_ce cannot reproduce without them")
+
+    _PRODUCERS = ("_fce_head", "_fce_div", "_fce_mul", "_fce_tanh", "_fce_vocab_slice")
+
+    def holds_logits(self, node):
+        """A rewritten expression's value is the head's logits (not a loss or a size read off them)."""
+        if isinstance(node, ast.Name):
+            return node.id in self.lazy
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            return node.func.id in self._PRODUCERS
+        if isinstance(node, ast.IfExp):
+            return self.holds_logits(node.body) or self.holds_logits(node.orelse)
+        return False
+
+    def lazy_value(self, node):
+        return self.expression(node) if self.is_lazy(node) else node
+
+    @staticmethod
+    def outputs_call(node):
+        return (
+            isinstance(node.func, ast.Name)
+            and node.func.id.endswith("Output")
+            or (isinstance(node.func, ast.Name) and "OutputWith" in node.func.id)
+        )
+
+
+def _defining_function(cls):
+    for klass in cls.__mro__:
+        if "forward" in klass.__dict__:
+            return klass, klass.__dict__["forward"]
+    raise Refused(f"fused_ce: {cls.__name__} has no forward")
+
+
+@functools.lru_cache(maxsize=None)
+def _rewritten(cls):
+    """The class's forward with its loss through fused_ce (or Refused, saying why)."""
+    klass, forward = _defining_function(cls)
+    original = inspect.unwrap(forward)
+    try:
+        source = textwrap.dedent(inspect.getsource(original))
+    except (OSError, TypeError) as exc:
+        raise Refused(f"fused_ce: the source of {klass.__name__}.forward is not available ({exc})") from exc
+    tree = ast.parse(source)
+    function = tree.body[0]
+    if not isinstance(function, ast.FunctionDef):
+        raise Refused(f"fused_ce: {klass.__name__}.forward is not a plain function")
+    rewriter = _Rewriter(f"{klass.__name__}.forward")
+    function.body = [rewriter.visit(statement) for statement in function.body]
+    # the decorators stay (return_dict=False, renamed keywords), but for documentation ones, which read sources
+    function.decorator_list = [d for d in function.decorator_list if "docstring" not in ast.unparse(d)]
+    if rewriter.head is None:
+        raise Refused(
+            f"fused_ce: {klass.__name__}.forward has no `logits = self.<head>(hidden_states)` that fused_ce "
+            "recognises; use the model unpatched"
+        )
+    if not any(isinstance(n, ast.Name) and n.id == "_fce_loss" for n in ast.walk(function)):
+        raise Refused(
+            f"fused_ce: {klass.__name__}.forward computes its loss other than with self.loss_function(logits, "
+            "labels, ...); use the model unpatched"
+        )
+    ast.fix_missing_locations(tree)
+    # A module of its own (importable by name, as torch.compile's guards want): the model module's names and
+    # the helpers the rewrite calls.
+    source_module = sys.modules[klass.__module__]
+    module = types.ModuleType(f"{source_module.__name__}._fused_ce_{klass.__name__}")
+    module.__dict__.update({k: v for k, v in vars(source_module).items() if not k.startswith("__")})
+    module.__dict__.update({name: value for name, value in globals().items() if name.startswith("_fce_")})
+    sys.modules[module.__name__] = module
+    exec(compile(tree, f"<fused_ce rewrite of {klass.__module__}.{klass.__name__}.forward>", "exec"), module.__dict__)
+    return module.__dict__[function.name], rewriter.head, forward
+
+
+def _causal_lm_classes():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _model_class(family):
@@ -87,79 +464,81 @@ def _model_class(family):
     return getattr(transformers, FAMILIES[family])
 
 
-def _check_layout(model_or_class):
-    name = model_or_class.__name__ if isinstance(model_or_class, type) else type(model_or_class).__name__
-    if not name.endswith("ForCausalLM"):
-        raise TypeError(f"fused_ce: {name} is not a *ForCausalLM model")
-    if isinstance(model_or_class, type):
-        return
-    base, head = getattr(model_or_class, "model", None), getattr(model_or_class, "lm_head", None)
-    if not isinstance(base, nn.Module) or not isinstance(head, nn.Linear):
-        raise TypeError(
-            f"fused_ce: {name} does not have the common causal-LM layout (a `model` base module and an `lm_head` "
-            "nn.Linear); its loss cannot be computed from hidden states"
-        )
-
-
-def _fused_forward(original):
-    """The forward of a *ForCausalLM, with the loss from hidden states when there are labels."""
+def _fused_forward(cls):
+    """The forward of a causal LM with the loss through fused_ce when there are labels (Refused if it cannot)."""
+    rewritten, head, original = _rewritten(cls)
     signature = inspect.signature(original)
-    var_keyword = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    names = [n for n in signature.parameters if n != "self"]
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if kwargs.get("labels") is None and kwargs.get("shift_labels") is None and not _has_positional_labels(args):
+        labels = kwargs.get("labels")
+        if labels is None and "labels" in names[: len(args)]:
+            labels = args[names.index("labels")]
+        if labels is None and kwargs.get("shift_labels") is None:
             return original(self, *args, **kwargs)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        arguments.pop("self")
-        extra = dict(arguments.pop(var_keyword, {})) if var_keyword else {}
-        labels = arguments.pop("labels", None)
-        logits_to_keep = arguments.pop("logits_to_keep", None) or arguments.pop("num_logits_to_keep", None) or 0
-        for name in _LOSS_ARGUMENTS:
-            arguments.pop(name, None)
-        return_dict = arguments.pop("return_dict", None)
-        loss_kwargs = {k: extra.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in extra}
-        outputs = self.model(**arguments, **extra)
-        hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        loss = ForCausalLMLoss(
-            hidden[:, keep, :],
-            self.lm_head.weight,
-            labels,
-            final_logit_softcapping=getattr(self.config, "final_logit_softcapping", None),
-            lm_head_bias=self.lm_head.bias,
-            **loss_kwargs,
-        )
-        fields = CausalLMOutputWithPast.__dataclass_fields__
-        passed = {f: getattr(outputs, f, None) for f in fields if f not in ("loss", "logits")}
-        out = CausalLMOutputWithPast(loss=loss, logits=None, **passed)
-        return out.to_tuple() if return_dict is False else out
-
-    def _has_positional_labels(args):
-        names = [n for n in signature.parameters if n != "self"]
-        return "labels" in names[: len(args)] and args[names.index("labels")] is not None
+        return rewritten(self, *args, **kwargs)
 
     forward._fused_ce_original = original
+    forward._fused_ce_head = head
     return forward
+
+
+def check(model_or_class):
+    """Raises Refused (a TypeError) saying why fused_ce cannot reproduce this causal LM's head, else returns its
+    head's attribute name (e.g. "lm_head")."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise Refused(f"fused_ce: {cls.__name__} is not a model (an nn.Module class) of transformers")
+    if cls.__name__ not in _causal_lm_classes() and not cls.__name__.endswith("ForCausalLM"):
+        raise Refused(f"fused_ce: {cls.__name__} is not a causal LM of transformers (AutoModelForCausalLM's classes)")
+    _, head, _ = _rewritten(cls)
+    if isinstance(model_or_class, type):
+        _check_head_construction(cls, head)
+    else:
+        _head_of(model_or_class, head)
+    return head
+
+
+def _check_head_construction(cls, head):
+    """For a class: its __init__ builds the head as an nn.Linear (`self.<head> = nn.Linear(...)`)."""
+    for klass in cls.__mro__:
+        if "__init__" in klass.__dict__:
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(klass.__dict__["__init__"])))
+            except (OSError, TypeError):
+                break
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Assign)
+                    and any(ast.unparse(t) == f"self.{head}" for t in node.targets)
+                    and isinstance(node.value, ast.Call)
+                    and ast.unparse(node.value.func) in ("nn.Linear", "Linear", "torch.nn.Linear")
+                ):
+                    return
+            break
+    raise Refused(
+        f"fused_ce: {cls.__name__}.__init__ does not build {head} as an nn.Linear (a head module's own forward "
+        "would be skipped); use the model unpatched"
+    )
 
 
 def apply(model):
     """Switch a causal LM to fused_ce's loss, in place, and return it.
 
     ``model``: an instance (only it is switched), a class (every instance), or a family name from ``FAMILIES``.
+    Raises ``Refused`` (a TypeError) naming what the model's forward does that fused_ce cannot reproduce.
     """
     if isinstance(model, str):
         model = _model_class(model)
-    _check_layout(model)
+    check(model)
     cls = model if isinstance(model, type) else type(model)
-    current = model.forward if not isinstance(model, type) else cls.forward
+    current = cls.forward if isinstance(model, type) else model.forward
     if getattr(current, "_fused_ce_original", None) is not None:
         return model  # already switched
-    original = cls.forward
+    forward = _fused_forward(cls)
     if isinstance(model, type):
-        cls.forward = _fused_forward(original)
+        cls.forward = forward
     else:
-        model.forward = types.MethodType(_fused_forward(original), model)
+        model.forward = types.MethodType(forward, model)
     return model

@@ -3,8 +3,10 @@
 Per row: the max ``m``, ``log_sum = log(sum_s ps[s] * exp(pm[s] - m))`` over the
 segments' partials (logit_partials.py), ``lse = m + log_sum``, the target's gap
 ``m - z_target`` (one gathered load from the stored logits; 0 where the row is
-ignored) and, for label smoothing, the sum of the segments' weighted sums. The
-loss takes ``gap + log_sum``: no cancellation between large numbers. The segments are combined in a fixed order, so the
+ignored), for label smoothing the sum of the segments' weighted sums, for the
+entropy ``log_sum - T / S`` with ``S`` and ``T`` the rows' sums of ``exp(z - m)``
+and ``exp(z - m) * (z - m)``, and for the argmax the first segment's column of
+the row max. The loss takes ``gap + log_sum``: no cancellation between large numbers. The segments are combined in a fixed order, so the
 result is deterministic.
 """
 import triton
@@ -16,11 +18,13 @@ from .tile import load_logits
 SPEC = KernelSpec(
     "combine_partials",
     params=(
-        ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"), ("logits_ptr", "*T"), ("tgt_ptr", "*i64"),
-        ("lse_ptr", "*fp32"), ("gap_ptr", "*fp32"), ("ls_ptr", "*fp32"), ("wz_ptr", "*fp32"),
+        ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"), ("pe_ptr", "*fp32"), ("pa_ptr", "*i64"),
+        ("logits_ptr", "*T"), ("tgt_ptr", "*i64"),
+        ("lse_ptr", "*fp32"), ("gap_ptr", "*fp32"), ("ls_ptr", "*fp32"), ("wz_ptr", "*fp32"), ("ent_ptr", "*fp32"),
+        ("am_ptr", "*i64"),
         ("N", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_softcap", "i32"), ("has_smoothing", "i32"),
+        ("has_softcap", "i32"), ("has_smoothing", "i32"), ("has_entropy", "i32"), ("has_argmax", "i32"),
     ),
     family="combine",
     layouts=("general",),  # one gathered load per row: nothing to gain from aligned accesses
@@ -29,10 +33,10 @@ SPEC = KernelSpec(
 
 @triton.jit
 def combine_partials_kernel(
-    pm_ptr, ps_ptr, pw_ptr, logits_ptr, tgt_ptr, lse_ptr, gap_ptr, ls_ptr, wz_ptr,
+    pm_ptr, ps_ptr, pw_ptr, pe_ptr, pa_ptr, logits_ptr, tgt_ptr, lse_ptr, gap_ptr, ls_ptr, wz_ptr, ent_ptr, am_ptr,
     N, stride_ln, segments,
     logit_scale, softcap,
-    has_softcap, has_smoothing,
+    has_softcap, has_smoothing, has_entropy, has_argmax,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -41,14 +45,27 @@ def combine_partials_kernel(
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_R,), tl.float32)
     wz = tl.zeros((BLOCK_R,), tl.float32)
+    t = tl.zeros((BLOCK_R,), tl.float32)  # sum of exp(z - m) * (z - m), for the entropy
+    am = tl.zeros((BLOCK_R,), tl.int64)
     for s0 in range(0, segments, BLOCK):
         seg = s0 + offs
         mask = row_mask[:, None] & (seg < segments)[None, :]
         idx = rows[:, None] * segments + seg[None, :]
         pm = tl.load(pm_ptr + idx, mask=mask, other=float("-inf"))
         ps = tl.load(ps_ptr + idx, mask=mask, other=0.0)
-        m_new = tl.maximum(m, tl.max(pm, axis=1))
+        chunk_max = tl.max(pm, axis=1)
+        m_new = tl.maximum(m, chunk_max)
         m_new = tl.where(row_mask, m_new, 0.0)  # rows past the block: finite, never stored
+        if has_entropy:  # rescaled to the new max: e^(m - m') * (t + (m - m') * s), per segment and so far
+            shift = tl.where(m > float("-inf"), m - m_new, 0.0)
+            seg_shift = tl.where(pm > float("-inf"), pm - m_new[:, None], 0.0)
+            pe = tl.load(pe_ptr + idx, mask=mask, other=0.0)
+            t = tl.exp(shift) * (t + shift * s) + tl.sum(tl.where(ps > 0.0, tl.exp(seg_shift) * (pe + seg_shift * ps), 0.0), axis=1)
+        if has_argmax:  # the first segment holding the max, then its first column
+            pa = tl.load(pa_ptr + idx, mask=mask, other=0)
+            seg_first = tl.min(tl.where(mask & (pm == chunk_max[:, None]), seg[None, :], segments), axis=1)
+            chunk_arg = tl.sum(tl.where(seg[None, :] == seg_first[:, None], pa, 0), axis=1)
+            am = tl.where(chunk_max > m, chunk_arg, am)
         s = s * tl.exp(m - m_new) + tl.sum(ps * tl.exp(pm - m_new[:, None]), axis=1)
         m = m_new
         if has_smoothing:
@@ -61,6 +78,10 @@ def combine_partials_kernel(
     tl.store(ls_ptr + rows, log_sum, mask=row_mask)
     if has_smoothing:
         tl.store(wz_ptr + rows, wz, mask=row_mask)
+    if has_entropy:
+        tl.store(ent_ptr + rows, log_sum - t / tl.where(row_mask, s, 1.0), mask=row_mask)
+    if has_argmax:
+        tl.store(am_ptr + rows, am, mask=row_mask)
     tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
     valid = tgt >= 0
     zt = load_logits(logits_ptr + rows * stride_ln + tl.maximum(tgt, 0), row_mask & valid, logit_scale, softcap,

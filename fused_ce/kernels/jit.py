@@ -88,34 +88,46 @@ def _dot_tile_meta(cfg, x):
 
 
 def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, softcap=None, smoothing=False,
-              num_splits=None, config=None):
-    """(lse, target_logit, weighted_z_sum or None) per row; ``target`` holds -1 for ignored rows."""
+              entropy=False, argmax=False, num_splits=None, config=None):
+    """(lse, target_logit, weighted_z_sum or None) per row, and with ``entropy`` or ``argmax`` also (entropy or
+    None, argmax or None); ``target`` holds -1 for ignored rows. The splits combine as cuda_row_stats does."""
     cfg = _config(_row_stats, x, config)
     N, V = x.shape[0], w.shape[0]
     vocab_tiles = triton.cdiv(V, cfg.block_v)
     splits = min(num_splits or 1, vocab_tiles)
     cols_per_split = triton.cdiv(vocab_tiles, splits) * cfg.block_v
     splits = triton.cdiv(V, cols_per_split)
-    partial = torch.empty(4, splits, N, dtype=torch.float32, device=x.device)
-    args = dict(m_ptr=partial[0], s_ptr=partial[1], zt_ptr=partial[2], wz_ptr=partial[3], N=N, V=V,
-                cols_per_split=cols_per_split, has_smoothing=int(smoothing),
+    partial = torch.empty(5, splits, N, dtype=torch.float32, device=x.device)
+    arg = torch.empty(splits, N, dtype=torch.int64, device=x.device)
+    args = dict(m_ptr=partial[0], s_ptr=partial[1], zt_ptr=partial[2], wz_ptr=partial[3], t_ptr=partial[4],
+                am_ptr=arg, N=N, V=V, cols_per_split=cols_per_split, has_smoothing=int(smoothing),
+                has_entropy=int(entropy), has_argmax=int(argmax),
                 **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     _launch(_row_stats, (triton.cdiv(N, cfg.block_n) * splits,), args, **_dot_tile_meta(cfg, x))
     m = partial[0]
     m_max = m.max(0).values
-    lse = m_max + (partial[1] * (m - m_max).exp()).sum(0).log()
-    return lse, partial[2].sum(0), partial[3].sum(0) if smoothing else None
+    scale = (m - m_max).exp()
+    total = (partial[1] * scale).sum(0)
+    lse = m_max + total.log()
+    stats = (lse, partial[2].sum(0), partial[3].sum(0) if smoothing else None)
+    if not (entropy or argmax):
+        return stats
+    shift = (m - m_max).nan_to_num(0.0, 0.0, 0.0)
+    ent = total.log() - (scale * (partial[4] + shift * partial[1])).sum(0) / total if entropy else None
+    am = arg.gather(0, m.eq(m_max).int().argmax(0, keepdim=True)).squeeze(0) if argmax else None
+    return stats + (ent, am)
 
 
 def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end, *, bias=None,
-               class_weight=None, logit_scale=1.0, softcap=None, out=None):
+               class_weight=None, logit_scale=1.0, softcap=None, alpha_z=None, smoothing=True, out=None):
     """The logit gradient (see logit_grad.py) for all rows and columns [v_begin, v_end)."""
     cfg = _config(_logit_grad, x)
     N = x.shape[0]
     if out is None:
         out = torch.empty(N, v_end - v_begin, dtype=x.dtype, device=x.device)
-    args = dict(lse_ptr=lse, alpha_ptr=alpha, alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, g_ptr=out,
-                N=N, v_begin=v_begin, v_end=v_end, stride_gn=out.stride(0),
+    args = dict(lse_ptr=lse, alpha_ptr=alpha, alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma,
+                alpha_z_ptr=_placeholder(alpha, alpha_z), g_ptr=out, N=N, v_begin=v_begin, v_end=v_end,
+                stride_gn=out.stride(0), has_smoothing=int(smoothing), has_alpha_z=int(alpha_z is not None),
                 **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(v_end - v_begin, cfg.block_v),)
     _launch(_logit_grad, grid, args, **_dot_tile_meta(cfg, x))
@@ -134,38 +146,39 @@ def _transform_args(logits, logit_scale, softcap, smoothing):
 
 
 def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, softcap=None, smoothing=False,
-                      config=None, combine_config=None):
+                      entropy=False, argmax=False, config=None, combine_config=None):
     """(lse, target_gap, log_sum, weighted_z_sum or None) per row of stored raw logits [N, V], which stay as
     they are: logit_partials, then combine_partials (cuda_stats_from_logits; the gap is max - z_target and
-    log_sum is lse - max, both without cancellation). ``config`` tiles the pass over the logits."""
+    log_sum is lse - max, both without cancellation); with ``entropy`` or ``argmax`` also (entropy or None,
+    argmax or None). ``config`` tiles the pass over the logits."""
     N, V = logits.shape
     cfg = _config(_logit_partials, logits, config)
-    common = _transform_args(logits, logit_scale, softcap, smoothing)
+    common = dict(_transform_args(logits, logit_scale, softcap, smoothing), has_entropy=int(entropy),
+                  has_argmax=int(argmax))
     segments = triton.cdiv(V, cfg.block)
-    partials = torch.empty(3, N, segments, dtype=torch.float32, device=logits.device)
+    partials = torch.empty(4, N, segments, dtype=torch.float32, device=logits.device)
+    arg = torch.empty(N, segments, dtype=torch.int64, device=logits.device)
     _launch(_logit_partials, (triton.cdiv(N, cfg.rows) * segments,),
             dict(cw_ptr=_placeholder(target, class_weight), pm_ptr=partials[0], ps_ptr=partials[1],
-                 pw_ptr=partials[2], N=N, V=V, segments=segments, has_class_weight=int(class_weight is not None),
-                 **common),
+                 pw_ptr=partials[2], pe_ptr=partials[3], pa_ptr=arg, N=N, V=V, segments=segments,
+                 has_class_weight=int(class_weight is not None), **common),
             **_tile_meta(cfg, logits))
-    return _combine(partials, segments, logits, target, logit_scale, softcap, smoothing, combine_config)
-
-
-def _combine(partials, segments, logits, target, logit_scale, softcap, smoothing, config=None):
-    """combine_partials over [3, N, segments] partials of the stored logits: (lse, gap, log_sum, wz or None)."""
-    N = logits.shape[0]
-    cfg = _config(_combine_partials, logits, config)
-    common = _transform_args(logits, logit_scale, softcap, smoothing)
-    stats = torch.empty(4, N, dtype=torch.float32, device=logits.device)
+    cfg = _config(_combine_partials, logits, combine_config)
+    stats = torch.empty(5, N, dtype=torch.float32, device=logits.device)
+    am = torch.empty(N, dtype=torch.int64, device=logits.device)
     _launch(_combine_partials, (triton.cdiv(N, cfg.rows),),
-            dict(pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], tgt_ptr=target, lse_ptr=stats[0],
-                 gap_ptr=stats[1], ls_ptr=stats[2], wz_ptr=stats[3], N=N, segments=segments, **common),
+            dict(pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], pe_ptr=partials[3], pa_ptr=arg,
+                 tgt_ptr=target, lse_ptr=stats[0], gap_ptr=stats[1], ls_ptr=stats[2], wz_ptr=stats[3],
+                 ent_ptr=stats[4], am_ptr=am, N=N, segments=segments, **common),
             BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps)
-    return stats[0], stats[1], stats[2], stats[3] if smoothing else None
+    out = (stats[0], stats[1], stats[2], stats[3] if smoothing else None)
+    if not (entropy or argmax):
+        return out
+    return out + (stats[4] if entropy else None, am if argmax else None)
 
 
 def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offset=0, class_weight=None,
-                 logit_scale=1.0, softcap=None, smoothing=False, config=None):
+                 logit_scale=1.0, softcap=None, smoothing=False, alpha_z=None, config=None):
     """Stored raw logits of columns [col_offset, col_offset + V) become their gradient in place, given the rows'
     lse (cuda_softmax_grad); ``class_weight`` is the slice's own ([V]). With ``smoothing`` False, gamma is taken
     as zero."""
@@ -174,9 +187,9 @@ def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offs
     segments = triton.cdiv(V, cfg.block)
     _launch(_softmax_grad, (triton.cdiv(N, cfg.rows) * segments,),
             dict(cw_ptr=_placeholder(target, class_weight), tgt_ptr=target, lse_ptr=lse, alpha_ptr=alpha,
-                 alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, N=N, V=V, segments=segments,
-                 col_offset=col_offset, has_class_weight=int(class_weight is not None),
-                 **_transform_args(logits, logit_scale, softcap, smoothing)),
+                 alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, alpha_z_ptr=_placeholder(alpha, alpha_z),
+                 N=N, V=V, segments=segments, col_offset=col_offset, has_class_weight=int(class_weight is not None),
+                 has_alpha_z=int(alpha_z is not None), **_transform_args(logits, logit_scale, softcap, smoothing)),
             **_tile_meta(cfg, logits))
     return logits
 

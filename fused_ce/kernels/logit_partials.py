@@ -3,7 +3,9 @@
 A GEMM has written raw logits ``x @ w.T + b`` for a block of rows. Each program
 reads one BLOCK_R x BLOCK tile once, transforms it (logit_scale, softcap) and
 writes, per row of the tile, the tile's max, its sum of ``exp(z - max)`` and,
-for label smoothing, its (class-weighted) sum of z: partials[row, segment].
+for label smoothing, its (class-weighted) sum of z: partials[row, segment]; for the
+entropy, its sum of ``exp(z - max) * (z - max)``, and for the argmax the column of
+the tile's max (the first one on ties).
 Tiles rather than whole rows per program: no serial loop along the row, so
 every program's loads are in flight at once and the pass runs at streaming
 bandwidth. combine_partials.py reduces the segments.
@@ -18,9 +20,11 @@ SPEC = KernelSpec(
     "logit_partials",
     params=(
         ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("pm_ptr", "*fp32"), ("ps_ptr", "*fp32"), ("pw_ptr", "*fp32"),
+        ("pe_ptr", "*fp32"), ("pa_ptr", "*i64"),
         ("N", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"), ("has_entropy", "i32"),
+        ("has_argmax", "i32"),
     ),
     family="stored_logits",
     # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (NOTES.md, step 14)
@@ -30,10 +34,10 @@ SPEC = KernelSpec(
 
 @triton.jit
 def logit_partials_kernel(
-    logits_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr,
+    logits_ptr, cw_ptr, pm_ptr, ps_ptr, pw_ptr, pe_ptr, pa_ptr,
     N, V, stride_ln, segments,
     logit_scale, softcap,
-    has_class_weight, has_softcap, has_smoothing,
+    has_class_weight, has_softcap, has_smoothing, has_entropy, has_argmax,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -46,10 +50,16 @@ def logit_partials_kernel(
     z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
     m = tl.max(tl.where(mask, z, float("-inf")), axis=1)
     m = tl.where(row_mask, m, 0.0)  # rows past the block: keep them finite, they are not stored
-    s = tl.sum(tl.where(mask, tl.exp(z - m[:, None]), 0.0), axis=1)
+    e = tl.where(mask, tl.exp(z - m[:, None]), 0.0)
+    s = tl.sum(e, axis=1)
     out = rows * segments + seg
     tl.store(pm_ptr + out, m, mask=row_mask)
     tl.store(ps_ptr + out, s, mask=row_mask)
+    if has_entropy:  # (where e is 0, z - m may be -inf or NaN: 0 is its term)
+        tl.store(pe_ptr + out, tl.sum(tl.where(e > 0.0, e * (z - m[:, None]), 0.0), axis=1), mask=row_mask)
+    if has_argmax:
+        first = tl.min(tl.where(mask & (z == m[:, None]), cols[None, :], V), axis=1)
+        tl.store(pa_ptr + out, first, mask=row_mask)
     if has_smoothing:
         zc = tl.where(mask, z, 0.0)
         if has_class_weight:

@@ -3,8 +3,9 @@
 Used when the gradients are computed during the forward (scalar reductions).
 With the row's lse from combine_partials.py, each program reads one
 BLOCK_R x BLOCK tile of raw logits and overwrites it with
-``dL/dlogit = logit_scale * softcap'(z) * (p * alpha - beta * onehot - gamma * cw)``
-where ``alpha = alpha0 + alpha_lse * lse`` (the z-loss term needs the lse).
+``dL/dlogit = logit_scale * softcap'(z) * (p * (alpha + alpha_z * log p) - beta * onehot - gamma * cw)``
+where ``alpha = alpha0 + alpha_lse * lse`` (the z-loss term needs the lse) and ``alpha_z`` is the
+entropy's term (``has_alpha_z``; the entropy's gradient is ``-p * (log p + H)``).
 The block may be a vocabulary slice starting at column ``col_offset`` (lean
 workspaces, Strategy::VocabTiles in csrc/plan.h): targets are absolute class indices, ``cw_ptr`` points at
 the slice's first class weight. Programs run in the reverse order of
@@ -22,9 +23,10 @@ SPEC = KernelSpec(
     params=(
         ("logits_ptr", "*T"), ("cw_ptr", "*fp32"), ("tgt_ptr", "*i64"), ("lse_ptr", "*fp32"),
         ("alpha_ptr", "*fp32"), ("alpha_lse_ptr", "*fp32"), ("beta_ptr", "*fp32"), ("gamma_ptr", "*fp32"),
+        ("alpha_z_ptr", "*fp32"),
         ("N", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"), ("col_offset", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"), ("has_alpha_z", "i32"),
     ),
     family="stored_logits",
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),  # V: see logit_partials.py
@@ -34,10 +36,10 @@ SPEC = KernelSpec(
 @triton.jit
 def softmax_grad_kernel(
     logits_ptr, cw_ptr, tgt_ptr, lse_ptr,
-    alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr,
+    alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr, alpha_z_ptr,
     N, V, stride_ln, segments, col_offset,
     logit_scale, softcap,
-    has_class_weight, has_softcap, has_smoothing,
+    has_class_weight, has_softcap, has_smoothing, has_alpha_z,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -58,7 +60,13 @@ def softmax_grad_kernel(
 
     ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
     z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
-    g = tl.exp(z - lse[:, None]) * alpha[:, None] - tl.where(cols[None, :] == tgt[:, None], beta[:, None], 0.0)
+    p = tl.exp(z - lse[:, None])
+    g = p * alpha[:, None] - tl.where(cols[None, :] == tgt[:, None], beta[:, None], 0.0)
+    if has_alpha_z:
+        alpha_z = tl.load(alpha_z_ptr + rows, mask=row_mask, other=0.0)
+        active = active | (alpha_z != 0.0)
+        # alpha_z * log p (no cancellation at large z); p log p is 0 where p is (-inf logits)
+        g += tl.where(p > 0.0, p * alpha_z[:, None] * (z - lse[:, None]), 0.0)
     if has_smoothing:  # gamma is zero without label smoothing: skip its loads
         gamma = tl.load(gamma_ptr + rows, mask=row_mask, other=0.0)
         active = active | (gamma != 0.0)

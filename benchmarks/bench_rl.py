@@ -1,0 +1,241 @@
+"""The RL workloads of the lm_head: per-token log-probs and entropy, and a policy-gradient loss, on a GPU.
+
+    python benchmarks/bench_rl.py                      # shape A, every workload, fused_ce and torch.compile
+    python benchmarks/bench_rl.py --shapes A,C --workloads nll,nll_entropy
+
+Workloads (bf16, x ~ N(0, 1), W ~ N(0, 1/D), per-token advantages ~ N(0, 1), 10% of targets ignored):
+  nll           fwd+bwd of sum(adv * nll), nll per token (fused_ce: reduction='none')
+  nll_entropy   fwd+bwd of sum(adv * log_probs) + 0.01 * sum(entropy)
+  forward       log-probs and entropy without grad (old / reference policies)
+  log_probs     log-probs alone without grad
+  grpo          fwd+bwd of a GRPO step: 8 sequences x 2048 tokens, the first 512 of each prompt, PPO-clip 0.2
+                against old log-probs, k3 KL at 0.04 against reference log-probs, token mean over the batch
+                (fused_ce.linear_policy_loss, and its log-probs + the objective in torch)
+Time: median of CUDA-event-timed runs after warm-up. Workspace: peak allocated during the call minus the inputs
+and the gradients it returns. Prints a table and writes bench_rl.json and bench_rl.png to --out.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs
+
+
+def torch_log_probs(x, w, t, entropy=False):
+    """Materialised logits, float32 softmax: what torch.compile fuses."""
+    log_p = (x @ w.T).float().log_softmax(-1)
+    lp = log_p.gather(-1, t.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (t >= 0)
+    if not entropy:
+        return lp, None
+    return lp, -(log_p.exp() * log_p).sum(-1) * (t >= 0)
+
+
+_compiled = {}
+
+
+def compiled(fn):
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn)
+    return _compiled[fn]
+
+
+def policy_objective(lp, adv, old, ref, weights, clip=0.2, beta=0.04, entropy=None, entropy_coef=0.0):
+    """The GRPO/PPO-clip loss with a k3 KL, written in torch (the formula linear_policy_loss fuses)."""
+    ratio = torch.exp(lp - old)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    per_token = pg + beta * kl
+    if entropy is not None:
+        per_token = per_token - entropy_coef * entropy
+    return (weights * per_token).sum()
+
+
+def methods_for(workload):
+    import fused_ce
+
+    def fused_nll(x, w, t, adv):
+        return (adv * fused_ce.linear_cross_entropy(x, w, t, reduction="none")).sum()
+
+    def torch_nll(x, w, t, adv):
+        return (adv * -torch_log_probs(x, w, t)[0]).sum()
+
+    def fused_nll_entropy(x, w, t, adv):
+        out = fused_ce.linear_log_probs(x, w, t, return_entropy=True)
+        return (adv * out.log_probs).sum() + 0.01 * out.entropy.sum()
+
+    def torch_nll_entropy(x, w, t, adv):
+        lp, entropy = torch_log_probs(x, w, t, entropy=True)
+        return (adv * lp).sum() + 0.01 * entropy.sum()
+
+    def fused_forward(x, w, t, adv):
+        out = fused_ce.linear_log_probs(x, w, t, return_entropy=True)
+        return out.log_probs.sum() + out.entropy.sum()
+
+    def torch_forward(x, w, t, adv):
+        lp, entropy = torch_log_probs(x, w, t, entropy=True)
+        return lp.sum() + entropy.sum()
+
+    def fused_log_probs(x, w, t, adv):
+        return fused_ce.linear_log_probs(x, w, t).sum()
+
+    def torch_log_probs_only(x, w, t, adv):
+        return torch_log_probs(x, w, t)[0].sum()
+
+    table = {
+        "nll": {"fused_ce": fused_nll, "torch.compile": compiled(torch_nll)},
+        "nll_entropy": {"fused_ce": fused_nll_entropy, "torch.compile": compiled(torch_nll_entropy)},
+        "forward": {"fused_ce": fused_forward, "torch.compile": compiled(torch_forward)},
+        "log_probs": {"fused_ce": fused_log_probs, "torch.compile": compiled(torch_log_probs_only)},
+    }
+    if workload == "grpo" and hasattr(fused_ce, "linear_policy_loss"):
+
+        def fused_policy(x, w, t, rl):
+            return fused_ce.linear_policy_loss(
+                x, w, t, rl["adv"], old_log_probs=rl["old"], ref_log_probs=rl["ref"], kl_coef=0.04
+            )
+
+        def fused_log_probs_then_torch(x, w, t, rl):
+            lp = fused_ce.linear_log_probs(x, w, t)
+            return policy_objective(lp, rl["adv"], rl["old"], rl["ref"], rl["weights"])
+
+        def torch_policy(x, w, t, rl):
+            return policy_objective(torch_log_probs(x, w, t)[0], rl["adv"], rl["old"], rl["ref"], rl["weights"])
+
+        table["grpo"] = {
+            "fused_ce linear_policy_loss": fused_policy,
+            "fused_ce log-probs + torch": fused_log_probs_then_torch,
+            "torch.compile": compiled(torch_policy),
+        }
+    return table.get(workload, {})
+
+
+def rl_inputs(t, seed=0):
+    """Per-token advantages, old and reference log-probs near the policy's, and the token-mean weights."""
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    counted = t >= 0
+    adv = torch.randn(t.shape, device=t.device, generator=g)
+    old = -torch.rand(t.shape, device=t.device, generator=g) * 12
+    ref = old + 0.1 * torch.randn(t.shape, device=t.device, generator=g)
+    weights = counted.float() / counted.sum()
+    return dict(adv=adv, old=old, ref=ref, weights=weights)
+
+
+def measure(fn, x, w, t, extra, warmup, repeat, grad):
+    xl, wl = x.detach().requires_grad_(grad), w.detach().requires_grad_(grad)
+
+    def step():
+        xl.grad = wl.grad = None
+        if grad:
+            out = fn(xl, wl, t, extra)
+            out.backward()
+        else:
+            with torch.no_grad():
+                out = fn(xl, wl, t, extra)
+        return out
+
+    value = step().detach()
+    ms = cuda_time_ms(step, warmup, repeat)
+    xl.grad = wl.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grads = sum(g.numel() * g.element_size() for g in (xl.grad, wl.grad) if g is not None)
+    workspace = max(0, torch.cuda.max_memory_allocated() - base - grads) / 2**30
+    return ms, workspace, value
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="A")
+    parser.add_argument("--workloads", default="nll,nll_entropy,forward,log_probs,grpo")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_rl.py times CUDA kernels")
+    rows = []
+    for shape in args.shapes.split(","):
+        N, D, V = SHAPES[shape]
+        for workload in args.workloads.split(","):
+            if workload == "grpo":  # 8 x 2048 tokens, the first 512 of each the prompt
+                x, w, t = make_inputs(N, D, V, "cuda", ignored=0.25, mask="prompt")
+                extra = rl_inputs(t)
+            else:
+                x, w, t = make_inputs(N, D, V, "cuda")
+                extra = rl_inputs(t)["adv"]
+            grad = workload not in ("forward", "log_probs")
+            flops = (8 if grad else 2) * N * D * V
+            values = {}
+            for method, fn in methods_for(workload).items():
+                try:
+                    ms, ws, value = measure(fn, x, w, t, extra, args.warmup, args.repeat, grad)
+                except torch.cuda.OutOfMemoryError:
+                    print(f"{shape} {workload} {method}: out of memory", file=sys.stderr)
+                    continue
+                finally:
+                    torch.cuda.empty_cache()
+                values[method] = value.item()
+                rows.append(
+                    dict(
+                        shape=shape,
+                        workload=workload,
+                        method=method,
+                        ms=ms,
+                        workspace_gib=ws,
+                        value=value.item(),
+                        floor_ms=flops / (PEAK_TFLOPS * 1e12) * 1e3,
+                    )
+                )
+                print(
+                    f"{shape} {workload:>12} {method:>28} {ms:8.2f} ms {ws:6.2f} GiB value {value.item():.6f}",
+                    flush=True,
+                )
+            del x, w, t, extra
+            torch.cuda.empty_cache()
+    env = environment()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_rl.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    plot(rows, out / "bench_rl.png")
+    print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}, bf16")
+    print(
+        "| shape | workload | method | ms | x floor (8NDV with grad, 2NDV without, at 790 TFLOP/s) | "
+        "workspace GiB | value |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['workload']} | {r['method']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
+            f"{r['workspace_gib']:.2f} | {r['value']:.6g} |"
+        )
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    labels = [f"{r['shape']} {r['workload']}\n{r['method']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    ax.bar(range(len(rows)), [r["ms"] for r in rows])
+    ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
+    ax.set(ylabel="ms", title="lm_head RL workloads (bf16, H200)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
