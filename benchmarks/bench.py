@@ -7,11 +7,11 @@
     python benchmarks/bench.py --ignored 0.5 --mask prompt  # the first half of every 2048-token sequence ignored
 
 Workload (issue 3): bf16 (or --dtype) input ~ N(0, 1) and weight ~ N(0, 1/D), int64 targets
-with 10% ignore_index (--ignored, at random rows or --mask prompt: the start of each sequence), mean loss; time of forward + backward, median of timed
-runs after warm-up (CUDA events). Workspace = peak allocated during fwd+bwd
-minus the inputs minus the gradients. Errors are relative norm errors against a
-float32 reference (loss, dX, dW). Prints a table and writes a JSON file and a
-PNG plot of time and workspace against N to --out.
+with 10% ignore_index (--ignored: at random rows, or --mask prompt: the start of each
+sequence), mean loss; time of forward + backward, median of timed runs after warm-up
+(CUDA events). Workspace = peak allocated during fwd+bwd minus the inputs minus the
+gradients. Errors are relative norm errors against a float32 reference (loss, dX, dW).
+Prints a table and writes a JSON file and a PNG plot of time and workspace against N to --out.
 """
 
 import argparse

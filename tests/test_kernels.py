@@ -194,7 +194,7 @@ def test_scale(dtype):
 
 def tied_logits(x, w, t):
     """Rows whose max logit appears twice, in different segments and splits: the argmax is the lower index."""
-    N, V = x.shape[0], w.shape[0]
+    V = w.shape[0]
     w = w.clone()
     w[V - 2] = w[3]  # the same logits in two far-apart columns
     x = x.clone()

@@ -411,7 +411,7 @@ def _defining_function(cls):
     raise Refused(f"fused_ce: {cls.__name__} has no forward")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rewritten(cls):
     """The class's forward with its loss through fused_ce (or Refused, saying why)."""
     klass, forward = _defining_function(cls)

@@ -6,8 +6,8 @@ segments' partials (logit_partials.py), ``lse = m + log_sum``, the target's gap
 ignored), for label smoothing the sum of the segments' weighted sums, for the
 entropy ``log_sum - T / S`` with ``S`` and ``T`` the rows' sums of ``exp(z - m)``
 and ``exp(z - m) * (z - m)``, and for the argmax the first segment's column of
-the row max. The loss takes ``gap + log_sum``: no cancellation between large numbers. The segments are combined in a fixed order, so the
-result is deterministic.
+the row max. The loss takes ``gap + log_sum``: no cancellation between large
+numbers. The segments are combined in a fixed order, so the result is deterministic.
 """
 import triton
 import triton.language as tl
@@ -60,7 +60,8 @@ def combine_partials_kernel(
             shift = tl.where(m > float("-inf"), m - m_new, 0.0)
             seg_shift = tl.where(pm > float("-inf"), pm - m_new[:, None], 0.0)
             pe = tl.load(pe_ptr + idx, mask=mask, other=0.0)
-            t = tl.exp(shift) * (t + shift * s) + tl.sum(tl.where(ps > 0.0, tl.exp(seg_shift) * (pe + seg_shift * ps), 0.0), axis=1)
+            moved = tl.where(ps > 0.0, tl.exp(seg_shift) * (pe + seg_shift * ps), 0.0)
+            t = tl.exp(shift) * (t + shift * s) + tl.sum(moved, axis=1)
         if has_argmax:  # the first segment holding the max, then its first column
             pa = tl.load(pa_ptr + idx, mask=mask, other=0)
             seg_first = tl.min(tl.where(mask & (pm == chunk_max[:, None]), seg[None, :], segments), axis=1)
