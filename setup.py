@@ -14,7 +14,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+try:
+    import torch
+    import triton  # noqa: F401  (the AOT build compiles the kernels with it)
+except ImportError as exc:
+    # An isolated build (pip install . without --no-build-isolation) has neither: it would otherwise compile against
+    # a torch of its own and make pip replace the environment's torch with it.
+    sys.exit(
+        f"fused_ce: {exc.name} is not importable in this build environment. fused_ce compiles against the torch "
+        "installed here: install torch, triton and ninja first, then build without isolation:\n"
+        "    pip install --no-build-isolation .\n"
+        "(plain `pip install .` builds in an isolated environment with another torch, and would replace yours)"
+    )
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -77,5 +88,7 @@ setup(
         )
     ],
     install_requires=[f"torch=={TORCH_VERSION}"],
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
     cmdclass={"build_ext": BuildWithKernels, "bdist_wheel": AnyPythonWheel},
 )
