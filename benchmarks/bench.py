@@ -151,7 +151,7 @@ def run(args):
     torch.mm(torch.ones(64, 64, device=device), torch.ones(64, 64, device=device))
     first_call = None
     shapes = [(name, *SHAPES[name]) for name in args.shapes.split(",") if name]
-    sweep_n = [int(n) for n in args.sweep.split(",") if n] if args.sweep else []
+    sweep_n = [int(n) for n in args.sweep.split(",") if n] if args.sweep not in ("", "none") else []
     if sweep_n:
         shapes += [(f"A@N={n}", n, SHAPES["A"][1], SHAPES["A"][2]) for n in sweep_n if n != SHAPES["A"][0]]
     for name, N, D, V in shapes:
@@ -267,7 +267,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="A,B,C")
     parser.add_argument("--methods", default=None, help="comma list (default: every installed one)")
-    parser.add_argument("--sweep", default="2048,4096,8192", help="extra N values at shape A's D and V")
+    parser.add_argument("--sweep", default="2048,4096,8192", help="extra N values at shape A's D and V ('none')")
     parser.add_argument("--sweep-methods", default="fused_ce,torch.compile,liger-kernel,cut-cross-entropy")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10)
