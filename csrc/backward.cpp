@@ -121,6 +121,7 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
   const auto opts = p.x.options();
   const auto gemm_dtype = plan.logits_dtype;
   Grads g = allocate_grads(p, plan, need);
+  if (p.N == 0) return g;  // zeros
   const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor block_buffer, gx_buffer;
   if (dot_tiles) {

@@ -37,7 +37,7 @@ bool fits_aligned(const Problem& p, const KernelVariant& v, const at::Tensor* g)
 }
 
 bool reads_stored_logits(const char* kernel) {
-  return std::strcmp(kernel, "logit_partials") == 0 || std::strcmp(kernel, "softmax_grad") == 0;
+  return std::strncmp(kernel, "logit_partials", 14) == 0 || std::strncmp(kernel, "softmax_grad", 12) == 0;
 }
 
 // `out`: the kernel's output block (logit_grad) or its stored logits (logit_partials, softmax_grad).
@@ -105,7 +105,8 @@ bool cuda_kernels_disabled() {
 
 bool cuda_kernels_available(const Problem& p) {
   if (!p.x.is_cuda() || cuda_kernels_disabled()) return false;
-  for (const char* kernel : {"row_stats", "logit_grad", "logit_partials", "combine_partials", "softmax_grad"}) {
+  for (const char* kernel : {"row_stats", "logit_grad", "logit_partials", "logit_partials_extras", "combine_partials",
+                             "combine_partials_extras", "softmax_grad", "softmax_grad_entropy"}) {
     if (select(kernel, p, nullptr) == nullptr) return false;
   }
   return select_fixed("prepare_rows", p.x.device()) != nullptr &&
@@ -215,7 +216,9 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
   if (request.entropy) check_row_output(p, out.entropy);
   TORCH_CHECK(!request.argmax || (out.argmax.scalar_type() == at::kLong && out.argmax.is_contiguous()),
               "fused_ce: bad row buffer");
-  const KernelVariant& tiles = *select("logit_partials", p, &logits);
+  // the entropy's and argmax's terms are a flavor of their own (spec.py: registers the plain kernels keep free)
+  const bool extras = request.entropy || request.argmax;
+  const KernelVariant& tiles = *select(extras ? "logit_partials_extras" : "logit_partials", p, &logits);
   const int64_t segments = cdiv(p.V, tiles.block_v);
   const at::Tensor partials = at::empty({request.entropy ? 4 : 3, p.N, segments}, p.x.options().dtype(at::kFloat));
   const at::Tensor arg = request.argmax ? at::empty({p.N, segments}, p.target.options()) : at::Tensor();
@@ -244,7 +247,7 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
       .i32("has_class_weight", p.class_weight.defined());
   launch(tiles, p.x.device(), cdiv(p.N, tiles.block_n) * segments, partial_args);
 
-  const KernelVariant& combine = *select("combine_partials", p, &logits);
+  const KernelVariant& combine = *select(extras ? "combine_partials_extras" : "combine_partials", p, &logits);
   KernelArgs combine_args;
   transform(combine_args)
       .ptr("pm_ptr", partials[0])
@@ -265,7 +268,7 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
                        bool smoothing) {
   check_stored_logits(p, logits);
   check_row_output(p, lse);
-  const KernelVariant& v = *select("softmax_grad", p, &logits);
+  const KernelVariant& v = *select(c.alpha_z.defined() ? "softmax_grad_entropy" : "softmax_grad", p, &logits);
   const int64_t segments = cdiv(p.V, v.block_v);
   KernelArgs args;
   args.ptr("logits_ptr", logits)
@@ -286,8 +289,7 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
       .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
       .i32("has_class_weight", p.class_weight.defined())
       .i32("has_softcap", p.softcap.has_value())
-      .i32("has_smoothing", smoothing)
-      .i32("has_alpha_z", c.alpha_z.defined());
+      .i32("has_smoothing", smoothing);
   launch(v, p.x.device(), cdiv(p.N, v.block_n) * segments, args);
 }
 

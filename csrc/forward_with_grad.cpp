@@ -132,6 +132,7 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
 std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions& o, const Plan& plan,
                                              const GradCoefficients& unit, GradMask need) {
   need[2] = need[2] && p.bias.defined();
+  if (p.N == 0) return {RowStats::allocate(p, stats_request(o, plan)), allocate_grads(p, plan, need)};  // zeros
   // The kernels multiply the gradient by logit_scale / logits_scale (reading_stored_logits): so the
   // coefficients take grad_scale * logits_scale for gradient blocks at grad_scale.
   const double coefficient_scale = plan.grad_scale * plan.logits_scale;

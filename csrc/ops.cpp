@@ -255,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
   return {loss.neg(), entropy, argmax};
 }
 
-// What the build embedded: architectures, and one cubin's bytes (for tests).
+// What the build embedded: architectures, kernels, and one cubin's bytes (for tests).
 std::vector<int64_t> embedded_archs() {
   std::vector<int64_t> archs;
   for (int i = 0; i < kNumKernelVariants; ++i) {
@@ -265,6 +265,16 @@ std::vector<int64_t> embedded_archs() {
   }
   std::sort(archs.begin(), archs.end());
   return archs;
+}
+
+std::vector<std::string> embedded_kernels() {
+  std::vector<std::string> names;
+  for (int i = 0; i < kNumKernelVariants; ++i) {
+    if (std::find(names.begin(), names.end(), kKernelVariants[i].kernel) == names.end()) {
+      names.emplace_back(kKernelVariants[i].kernel);
+    }
+  }
+  return names;
 }
 
 at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_view dtype, c10::string_view layout) {
@@ -311,6 +321,7 @@ TORCH_LIBRARY(fused_ce, m) {
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
   m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&plan_of>());
   m.def("_embedded_archs() -> int[]", &embedded_archs);
+  m.def("_embedded_kernels() -> str[]", &embedded_kernels);
   m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
 }
 

@@ -53,15 +53,20 @@ bool uses_row_kernels(const Problem& p) {
 
 namespace {
 
-// The rows per block actually used: at most `capacity`, in whole GEMM tiles,
-// and balanced so that the last block is not a short tail (a thin block runs
-// its GEMMs below their rate).
+// The rows per block actually used: at most `capacity`, balanced so that the last block is not a short tail
+// (a thin block runs its GEMMs below their rate), in whole GEMM tiles where that takes no more blocks (each
+// block more re-reads dW), else in 16s.
 int64_t balanced_block_rows(int64_t N, int64_t capacity, int64_t tile_rows) {
   if (capacity >= N) return std::max<int64_t>(N, 1);
-  const int64_t quantum = capacity >= tile_rows ? tile_rows : 1;
-  const int64_t limit = capacity / quantum * quantum;
-  const int64_t rows = cdiv(N, cdiv(N, limit));
-  return cdiv(rows, quantum) * quantum;  // <= limit
+  const int64_t rows = cdiv(N, cdiv(N, capacity));
+  for (const int64_t quantum : {tile_rows, int64_t{16}}) {
+    if (capacity >= quantum && cdiv(rows, quantum) * quantum <= capacity) return cdiv(rows, quantum) * quantum;
+  }
+  if (capacity >= tile_rows) {  // whole tiles, one block more
+    const int64_t limit = capacity / tile_rows * tile_rows;
+    return cdiv(cdiv(N, cdiv(N, limit)), tile_rows) * tile_rows;
+  }
+  return rows;
 }
 
 // Bytes per row of the buffers a block of selected rows adds (Plan::counted_rows_only): its rows of x
@@ -125,6 +130,10 @@ void plan_aten_chunks(Plan& plan, const Problem& p, bool selected) {
     plan.grad_input_dtype = plan.logits_dtype;
     // one block along the reduced dimension, or float32 already
     plan.grad_weight_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.N, plan.block_rows));
+    // no row at all (every target ignored): zero gradients, made in the input dtype (float16's in float32, as
+    // its forward with gradient always returns them: loss.h)
+    if (p.N == 0)
+      plan.grad_input_dtype = plan.grad_weight_dtype = p.x.scalar_type() == at::kHalf ? at::kFloat : p.x.scalar_type();
   }
   plan.workspace_bytes = std::min(plan.block_rows, p.N) * (row_bytes + gathered);
 }

@@ -49,18 +49,20 @@ def cubin_arch(blob):
 
 
 count = 0
+names = list(torch.ops.fused_ce._embedded_kernels())  # the kernels and their flavors (spec.py)
+assert set(configs.KERNELS) <= set(names), names
 for arch in requested:
-    for kernel in configs.KERNELS:
+    for name in names:
         found = 0
         for dtype in spec.DTYPES:
             for layout in spec.LAYOUTS:
                 try:
-                    blob = bytes(torch.ops.fused_ce._embedded_cubin(arch, kernel, dtype, layout).tolist())
+                    blob = bytes(torch.ops.fused_ce._embedded_cubin(arch, name, dtype, layout).tolist())
                 except RuntimeError:
                     continue  # a variant the kernel's SPEC does not build
-                assert len(blob) > 1000 and cubin_arch(blob) == arch, (kernel, dtype, layout, arch)
+                assert len(blob) > 1000 and cubin_arch(blob) == arch, (name, dtype, layout, arch)
                 found += 1
-        assert found, (kernel, arch)
+        assert found, (name, arch)
         count += found
 # the metadata a package index shows
 import importlib.metadata  # noqa: E402
@@ -69,4 +71,6 @@ meta = importlib.metadata.metadata("fused_ce")
 license_field = meta.get("License-Expression") or meta.get("License")
 assert license_field == "BSD-3-Clause" and meta.get("Author"), (license_field, meta.get("Author"))
 assert any(f.endswith("LICENSE") for f in importlib.metadata.files("fused_ce")), "no LICENSE in the wheel"
-print(f"wheel ok: torch {torch.__version__}, archs {requested}, {count} cubins, loss {loss.item():.6f}, {license_field}")
+print(
+    f"wheel ok: torch {torch.__version__}, archs {requested}, {count} cubins, loss {loss.item():.6f}, {license_field}"
+)

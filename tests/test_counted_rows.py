@@ -195,5 +195,6 @@ def test_all_ignored_launches_no_gemm():
         loss.backward()
         torch.cuda.synchronize()
     names = [e.key.lower() for e in prof.key_averages()]
-    assert not any("gemm" in n or "nvjet" in n or "cutlass" in n for n in names), names
+    gemms = [n for n in names if "gemm" in n or "nvjet" in n or "cutlass" in n]
+    assert not gemms, gemms
     assert torch.isnan(loss) and (xl.grad == 0).all() and (wl.grad == 0).all()

@@ -54,8 +54,19 @@ def kernel_spec(name):
     return kernel_module(name).SPEC
 
 
-def variant_spec(kernel, dtype, layout, arch):
-    """(function, signature, constexprs, attrs, launch params, options, blocks) for one variant."""
+def flavor(name):
+    """(kernel module, the flavor's constexprs) of a kernel table name: "softmax_grad" or "softmax_grad_entropy"."""
+    for kernel in configs.KERNELS:
+        for table_name, constexprs in kernel_spec(kernel).kernels():
+            if table_name == name:
+                return kernel, constexprs
+    raise KeyError(f"no kernel {name!r} in configs.KERNELS or their flavors")
+
+
+def variant_spec(name, dtype, layout, arch):
+    """(function, signature, constexprs, attrs, launch params, options, blocks) for one variant of kernel `name`
+    (a kernel table name: a module's kernel or one of its flavors)."""
+    kernel, flavor_constexprs = flavor(name)
     module = kernel_module(kernel)
     fn, spec = getattr(module, f"{kernel}_kernel"), module.SPEC
     constexpr_names = [n for n in fn.arg_names if n not in spec.param_names()]
@@ -81,6 +92,7 @@ def variant_spec(kernel, dtype, layout, arch):
         if "FAST_TANH" in fn.arg_names:
             constexprs["FAST_TANH"] = configs.fast_tanh(dtype)
         blocks = dict(block_n=cfg.rows, block_v=cfg.block, block_d=0)
+    constexprs.update(flavor_constexprs)
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
     for i, (name, ty) in enumerate(spec.params):
         ty = ty.replace("T", dtype)
@@ -235,9 +247,10 @@ def build(out_dir, archs=None, jobs=None, log=print):
         return json.loads(stamp.read_text())["archs"]
     jobs = jobs or max(1, os.cpu_count() or 1)
     work = [
-        (kernel, dtype, layout, arch, str(out_dir))
+        (name, dtype, layout, arch, str(out_dir))
         for arch in archs
         for kernel in configs.KERNELS
+        for name, _ in kernel_spec(kernel).kernels()
         for dtype, layout in kernel_spec(kernel).variants()
     ]
     results, failed = {}, {}

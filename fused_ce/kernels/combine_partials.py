@@ -28,6 +28,7 @@ SPEC = KernelSpec(
     ),
     family="combine",
     layouts=("general",),  # one gathered load per row: nothing to gain from aligned accesses
+    flavors=(("extras", (("EXTRAS", True),)),),  # the entropy and the argmax
 )
 
 
@@ -37,7 +38,7 @@ def combine_partials_kernel(
     N, stride_ln, segments,
     logit_scale, softcap,
     has_softcap, has_smoothing, has_entropy, has_argmax,
-    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr, EXTRAS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
@@ -56,13 +57,13 @@ def combine_partials_kernel(
         chunk_max = tl.max(pm, axis=1)
         m_new = tl.maximum(m, chunk_max)
         m_new = tl.where(row_mask, m_new, 0.0)  # rows past the block: finite, never stored
-        if has_entropy:  # rescaled to the new max: e^(m - m') * (t + (m - m') * s), per segment and so far
+        if EXTRAS and has_entropy:  # rescaled to the new max: e^(m - m') * (t + (m - m') * s), per segment and so far
             shift = tl.where(m > float("-inf"), m - m_new, 0.0)
             seg_shift = tl.where(pm > float("-inf"), pm - m_new[:, None], 0.0)
             pe = tl.load(pe_ptr + idx, mask=mask, other=0.0)
             moved = tl.where(ps > 0.0, tl.exp(seg_shift) * (pe + seg_shift * ps), 0.0)
             t = tl.exp(shift) * (t + shift * s) + tl.sum(moved, axis=1)
-        if has_argmax:  # the first segment holding the max, then its first column
+        if EXTRAS and has_argmax:  # the first segment holding the max, then its first column
             pa = tl.load(pa_ptr + idx, mask=mask, other=0)
             seg_first = tl.min(tl.where(mask & (pm == chunk_max[:, None]), seg[None, :], segments), axis=1)
             chunk_arg = tl.sum(tl.where(seg[None, :] == seg_first[:, None], pa, 0), axis=1)
@@ -79,9 +80,9 @@ def combine_partials_kernel(
     tl.store(ls_ptr + rows, log_sum, mask=row_mask)
     if has_smoothing:
         tl.store(wz_ptr + rows, wz, mask=row_mask)
-    if has_entropy:
+    if EXTRAS and has_entropy:
         tl.store(ent_ptr + rows, log_sum - t / tl.where(row_mask, s, 1.0), mask=row_mask)
-    if has_argmax:
+    if EXTRAS and has_argmax:
         tl.store(am_ptr + rows, am, mask=row_mask)
     tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
     valid = tgt >= 0

@@ -162,7 +162,7 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
             dict(cw_ptr=_placeholder(target, class_weight), pm_ptr=partials[0], ps_ptr=partials[1],
                  pw_ptr=partials[2], pe_ptr=partials[3], pa_ptr=arg, N=N, V=V, segments=segments,
                  has_class_weight=int(class_weight is not None), **common),
-            **_tile_meta(cfg, logits))
+            **_tile_meta(cfg, logits), EXTRAS=entropy or argmax)
     cfg = _config(_combine_partials, logits, combine_config)
     stats = torch.empty(5, N, dtype=torch.float32, device=logits.device)
     am = torch.empty(N, dtype=torch.int64, device=logits.device)
@@ -170,7 +170,8 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
             dict(pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], pe_ptr=partials[3], pa_ptr=arg,
                  tgt_ptr=target, lse_ptr=stats[0], gap_ptr=stats[1], ls_ptr=stats[2], wz_ptr=stats[3],
                  ent_ptr=stats[4], am_ptr=am, N=N, segments=segments, **common),
-            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps)
+            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
+            EXTRAS=entropy or argmax)
     out = (stats[0], stats[1], stats[2], stats[3] if smoothing else None)
     if not (entropy or argmax):
         return out
@@ -189,8 +190,8 @@ def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offs
             dict(cw_ptr=_placeholder(target, class_weight), tgt_ptr=target, lse_ptr=lse, alpha_ptr=alpha,
                  alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, alpha_z_ptr=_placeholder(alpha, alpha_z),
                  N=N, V=V, segments=segments, col_offset=col_offset, has_class_weight=int(class_weight is not None),
-                 has_alpha_z=int(alpha_z is not None), **_transform_args(logits, logit_scale, softcap, smoothing)),
-            **_tile_meta(cfg, logits))
+                 **_transform_args(logits, logit_scale, softcap, smoothing)),
+            **_tile_meta(cfg, logits), ALPHA_Z=alpha_z is not None)
     return logits
 
 

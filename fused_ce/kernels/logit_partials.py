@@ -29,6 +29,7 @@ SPEC = KernelSpec(
     family="stored_logits",
     # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (NOTES.md, step 14)
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),
+    flavors=(("extras", (("EXTRAS", True),)),),  # the entropy's and the argmax's partials
 )
 
 
@@ -38,7 +39,7 @@ def logit_partials_kernel(
     N, V, stride_ln, segments,
     logit_scale, softcap,
     has_class_weight, has_softcap, has_smoothing, has_entropy, has_argmax,
-    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr, EXTRAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     seg = pid % segments
@@ -50,16 +51,17 @@ def logit_partials_kernel(
     z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
     m = tl.max(tl.where(mask, z, float("-inf")), axis=1)
     m = tl.where(row_mask, m, 0.0)  # rows past the block: keep them finite, they are not stored
-    e = tl.where(mask, tl.exp(z - m[:, None]), 0.0)
-    s = tl.sum(e, axis=1)
     out = rows * segments + seg
-    tl.store(pm_ptr + out, m, mask=row_mask)
-    tl.store(ps_ptr + out, s, mask=row_mask)
-    if has_entropy:  # (where e is 0, z - m may be -inf or NaN: 0 is its term)
-        tl.store(pe_ptr + out, tl.sum(tl.where(e > 0.0, e * (z - m[:, None]), 0.0), axis=1), mask=row_mask)
-    if has_argmax:
+    if EXTRAS and has_argmax:
         first = tl.min(tl.where(mask & (z == m[:, None]), cols[None, :], V), axis=1)
         tl.store(pa_ptr + out, first, mask=row_mask)
+    s = tl.sum(tl.where(mask, tl.exp(z - m[:, None]), 0.0), axis=1)
+    tl.store(pm_ptr + out, m, mask=row_mask)
+    tl.store(ps_ptr + out, s, mask=row_mask)
+    if EXTRAS and has_entropy:  # (where exp(z - m) is 0, z - m may be -inf or NaN: 0 is its term)
+        d = z - m[:, None]
+        e = tl.exp(d)
+        tl.store(pe_ptr + out, tl.sum(tl.where(mask & (e > 0.0), e * d, 0.0), axis=1), mask=row_mask)
     if has_smoothing:
         zc = tl.where(mask, z, 0.0)
         if has_class_weight:

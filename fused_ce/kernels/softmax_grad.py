@@ -5,7 +5,7 @@ With the row's lse from combine_partials.py, each program reads one
 BLOCK_R x BLOCK tile of raw logits and overwrites it with
 ``dL/dlogit = logit_scale * softcap'(z) * (p * (alpha + alpha_z * log p) - beta * onehot - gamma * cw)``
 where ``alpha = alpha0 + alpha_lse * lse`` (the z-loss term needs the lse) and ``alpha_z`` is the
-entropy's term (``has_alpha_z``; the entropy's gradient is ``-p * (log p + H)``).
+entropy's term (the flavor ALPHA_Z; the entropy's gradient is ``-p * (log p + H)``).
 The block may be a vocabulary slice starting at column ``col_offset`` (lean
 workspaces, Strategy::VocabTiles in csrc/plan.h): targets are absolute class indices, ``cw_ptr`` points at
 the slice's first class weight. Programs run in the reverse order of
@@ -26,10 +26,11 @@ SPEC = KernelSpec(
         ("alpha_z_ptr", "*fp32"),
         ("N", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"), ("col_offset", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
-        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"), ("has_alpha_z", "i32"),
+        ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
     ),
     family="stored_logits",
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),  # V: see logit_partials.py
+    flavors=(("entropy", (("ALPHA_Z", True),)),),  # the entropy's gradient term
 )
 
 
@@ -39,8 +40,8 @@ def softmax_grad_kernel(
     alpha_ptr, alpha_lse_ptr, beta_ptr, gamma_ptr, alpha_z_ptr,
     N, V, stride_ln, segments, col_offset,
     logit_scale, softcap,
-    has_class_weight, has_softcap, has_smoothing, has_alpha_z,
-    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr,
+    has_class_weight, has_softcap, has_smoothing,
+    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr, ALPHA_Z: tl.constexpr,
 ):
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     seg = pid % segments
@@ -62,7 +63,7 @@ def softmax_grad_kernel(
     z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
     p = tl.exp(z - lse[:, None])
     g = p * alpha[:, None] - tl.where(cols[None, :] == tgt[:, None], beta[:, None], 0.0)
-    if has_alpha_z:
+    if ALPHA_Z:
         alpha_z = tl.load(alpha_z_ptr + rows, mask=row_mask, other=0.0)
         active = active | (alpha_z != 0.0)
         # alpha_z * log p (no cancellation at large z); p log p is 0 where p is (-inf logits)

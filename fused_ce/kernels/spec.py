@@ -27,10 +27,21 @@ class KernelSpec:
     unit_stride: frozenset = frozenset()
     dtypes: tuple = DTYPES  # ("fp32",) where the arguments do not depend on the input dtype
     layouts: tuple = LAYOUTS  # ("general",) where aligned accesses gain nothing
+    # Kernels compiled from this source besides the plain one: (suffix, ((constexpr, value), ...)) each, in the
+    # kernel table as "{name}_{suffix}". Rare features live in a flavor of their own: as runtime branches their
+    # registers would slow every call (the stored-logits passes spill with the entropy's terms compiled in).
+    # The plain kernel gets each flavor constexpr's first value: False.
+    flavors: tuple = ()
 
     def variants(self):
         """The (dtype, layout) variants the build compiles."""
         return [(dtype, layout) for dtype in self.dtypes for layout in self.layouts]
+
+    def kernels(self):
+        """(table name, constexprs) of every kernel compiled from this source: the plain one, then the flavors."""
+        off = {name: False for _, settings in self.flavors for name, _ in settings}
+        return [(self.name, off)] + [(f"{self.name}_{suffix}", dict(off, **dict(settings))) for suffix, settings in
+                                     self.flavors]
 
     def param_names(self):
         return [name for name, _ in self.params]
