@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <functional>
 #include <utility>
 
 #include "options.h"
@@ -30,10 +31,23 @@ RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan)
 Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                        GradMask need);
 
-// forward_with_grad.cpp: the row stats and the gradients of the scalar loss for
-// an upstream gradient of 1 (`unit`), from the same logits (Pass::ForwardWithGrad).
+// Where a block's gradient coefficients come from: fixed ones, known before the logits (the cross-entropy's), or
+// a function of the block's row stats (the policy loss's, which need each row's log-prob and entropy), called
+// once per block after its stats (combined over vocabulary shards) and before its gradient.
+struct CoefficientSource {
+  GradCoefficients fixed;
+  std::function<GradCoefficients(int64_t begin, int64_t end, const RowStats& block)> from_stats;
+
+  bool needs_stats() const { return static_cast<bool>(from_stats); }
+  GradCoefficients rows(int64_t begin, int64_t end, const RowStats& block) const {
+    return from_stats ? from_stats(begin, end, block) : fixed.rows(begin, end);
+  }
+};
+
+// forward_with_grad.cpp: the row stats and the gradients of a scalar loss for an upstream gradient of 1,
+// from the same logits (Pass::ForwardWithGrad).
 std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions& o, const Plan& plan,
-                                             const GradCoefficients& unit, GradMask need);
+                                             const CoefficientSource& unit, GradMask need);
 
 // Shared by the executors.
 // The optional row stats a call computes: label smoothing's weighted sums where

@@ -29,7 +29,7 @@ at::Tensor counted_rows_t_times(const Problem& p, const at::Tensor& gamma, int64
 // gradient is final once its block is done, so dX is written once; dW
 // accumulates over blocks in the plan's dtype.
 std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, const Plan& plan,
-                                      const GradCoefficients& c, GradMask need) {
+                                      const CoefficientSource& c, GradMask need) {
   const bool stored_logits = plan.strategy == Strategy::StoredLogits;
   const auto dtype = loss_dtype(p);
   const auto gemm_dtype = plan.logits_dtype;
@@ -44,9 +44,9 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   RowStats s = RowStats::allocate(p, request);
   const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor u, neg_gamma;
-  if (rank_one) {
+  if (rank_one) {  // (rank-one smoothing: the cross-entropy's fixed coefficients)
     u = class_weighted_w(p);
-    neg_gamma = c.gamma * -p.logit_scale;  // [N] float32
+    neg_gamma = c.fixed.gamma * -p.logit_scale;  // [N] float32
     s.weighted_z_sum = weighted_z_sum(p, u);
     if (need[1]) {
       g.weight.copy_(
@@ -61,7 +61,6 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
     const Problem pr = stored.rows(r0, r1);
-    const GradCoefficients cr = c.rows(r0, r1);
     const RowStats block_stats = s.rows(r0, r1);
     at::Tensor block;
     if (stored_logits) {
@@ -69,17 +68,18 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       logits_into(pr, block, plan.logits_scale);
       cuda_stats_from_logits(pr, block, block_stats);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
-      cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
-    } else if (o.vocab_parallel()) {  // the lse over all shards before the gradient: the logits twice (CPU)
+      cuda_softmax_grad(pr, c.rows(r0, r1, block_stats), block_stats.lse, block, smoothing_in_kernel);
+    } else if (o.vocab_parallel() || c.needs_stats()) {  // the stats (over all shards) before the gradient: the
+                                                         // logits twice (CPU)
       const RowStats part = aten_row_stats(pr, request, r1 - r0);
       block_stats.copy_(part);
-      combine_vocab_shards(pr, block_stats, o);
-      GradCoefficients with_lse = cr;
+      if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
+      GradCoefficients with_lse = c.rows(r0, r1, block_stats);
       with_lse.lse = block_stats.lse;
       block = aten_logit_grad(pr, with_lse, 0, p.V).to(gemm_dtype);
     } else {
       RowStats part;
-      std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, request);
+      std::tie(part, block) = aten_stats_and_logit_grad(pr, c.fixed.rows(r0, r1), request);
       block = block.to(gemm_dtype);
       block_stats.copy_(part);
     }
@@ -102,7 +102,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
 // forward, then per 2-D tile the logits again, their gradient in place and its
 // products with W and X.
 std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
-                                       const GradCoefficients& c, GradMask need) {
+                                       const CoefficientSource& c, GradMask need) {
   const RowStats s = stats_from_stored_logits(p, o, plan, plan.stats_block_rows);
   if (o.vocab_parallel()) combine_vocab_shards(p, s, o);
   const int64_t rows = plan.block_rows, cols = plan.tile_cols;
@@ -111,7 +111,7 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
     const Problem pr = p.rows(r0, r1);
-    const GradCoefficients cr = c.rows(r0, r1);
+    const GradCoefficients cr = c.rows(r0, r1, s.rows(r0, r1));
     const at::Tensor lse = s.lse.narrow(0, r0, r1 - r0);
     for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
       const int64_t v1 = std::min(p.V, v0 + cols);
@@ -130,13 +130,22 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
 }  // namespace
 
 std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions& o, const Plan& plan,
-                                             const GradCoefficients& unit, GradMask need) {
+                                             const CoefficientSource& unit, GradMask need) {
   need[2] = need[2] && p.bias.defined();
   if (p.N == 0) return {RowStats::allocate(p, stats_request(o, plan)), allocate_grads(p, plan, need)};  // zeros
   // The kernels multiply the gradient by logit_scale / logits_scale (reading_stored_logits): so the
   // coefficients take grad_scale * logits_scale for gradient blocks at grad_scale.
   const double coefficient_scale = plan.grad_scale * plan.logits_scale;
-  const GradCoefficients c = coefficient_scale == 1.0 ? unit : unit.scaled(coefficient_scale);
+  CoefficientSource c = unit;
+  if (coefficient_scale != 1.0) {
+    if (c.needs_stats()) {
+      c.from_stats = [&unit, coefficient_scale](int64_t b, int64_t e, const RowStats& s) {
+        return unit.from_stats(b, e, s).scaled(coefficient_scale);
+      };
+    } else {
+      c.fixed = unit.fixed.scaled(coefficient_scale);
+    }
+  }
   switch (plan.strategy) {
     case Strategy::StoredLogits:
     case Strategy::AtenChunks: return row_blocks(p, o, plan, c, need);

@@ -4,12 +4,15 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <cmath>
 #include <limits>
 #include <string>
 
 #include "executors.h"
+#include "format.h"
 #include "loss_terms.h"
 #include "plan.h"
+#include "policy.h"
 #include "problem.h"
 #include "targets.h"
 #include "vocab_parallel.h"
@@ -152,7 +155,9 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
   const Plan plan = make_plan(p, o, Pass::ForwardWithGrad, rows.counted);
   const Problem run = rows_to_run(p, plan, rows);
   if (plan.counted_rows_only) unit = unit.select_rows(rows.counted_index());
-  auto [s, g] = forward_with_grad(vocab_shard(run, o), o, plan, unit, output_mask);
+  CoefficientSource source;
+  source.fixed = unit;
+  auto [s, g] = forward_with_grad(vocab_shard(run, o), o, plan, source, output_mask);
   // float16's come back in float32 (loss.h): at unit scale, before the upstream gradient, float16 would
   // lose them to underflow.
   const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight, input.scalar_type() == at::kHalf);
@@ -160,6 +165,58 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
   if (plan.counted_rows_only) s = every_row(p, o, rows, s);
   const auto [lse, entropy, argmax] = outputs(p, s, target.sizes());
   return {loss, lse, entropy, argmax, gx, gw, gb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_policy_loss_with_grad(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
+    const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
+    const std::optional<at::Tensor>& ref_log_probs, const std::optional<at::Tensor>& linear_bias,
+    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+  TORCH_CHECK_VALUE(temperature > 0.0 && std::isfinite(temperature),
+                    "linear_policy_loss: temperature must be a finite value > 0, got ", num(temperature));
+  TORCH_CHECK_VALUE(clip_low >= 0.0 && clip_low < 1.0 && clip_high >= 0.0 && std::isfinite(clip_high),
+                    "linear_policy_loss: clip_low must be in [0, 1) and clip_high >= 0, got ", num(clip_low), ", ",
+                    num(clip_high));
+  TORCH_CHECK_VALUE(std::isfinite(kl_coef) && std::isfinite(entropy_coef),
+                    "linear_policy_loss: kl_coef and entropy_coef must be finite");
+  // a scalar loss of the log-probs at this temperature, with the entropy and argmax where the objective or
+  // the stats need them
+  LossOptions o = LossOptions::parse("linear_policy_loss", "sum", ignore_index, 0.0, 0.0, std::nullopt,
+                                     1.0 / temperature, workspace_bytes,
+                                     /*lse_of_ignored_rows=*/false, entropy_coef != 0.0 || return_stats,
+                                     return_stats FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
+  o.policy_loss = true;
+  Problem p = make_problem(input, linear_weight, target, linear_bias, std::nullopt, o);
+  const auto per_token = [&](const char* name, const std::optional<at::Tensor>& t) {
+    if (!t || !t->defined()) return;
+    TORCH_CHECK_VALUE(t->sizes() == target.sizes(), "linear_policy_loss: ", name, " must have the target's shape ",
+                      shape(target.sizes()), ", got ", shape(t->sizes()));
+    TORCH_CHECK(at::isFloatingType(t->scalar_type()), "linear_policy_loss: ", name, " must be floating point");
+    TORCH_CHECK(t->device() == input.device(), "linear_policy_loss: ", name, " is on ", t->device().str(),
+                " but input is on ", input.device().str());
+  };
+  per_token("advantages", advantages);
+  per_token("token_weights", token_weights);
+  per_token("old_log_probs", old_log_probs);
+  per_token("ref_log_probs", ref_log_probs);
+  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr);
+  const Plan plan = make_plan(p, o, Pass::ForwardWithGrad, rows.counted);
+  const Problem run = rows_to_run(p, plan, rows);
+  const auto selected = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t || !t->defined()) return std::nullopt;
+    const at::Tensor flat = t->reshape({p.N});
+    return plan.counted_rows_only ? flat.index_select(0, rows.counted_index()) : flat;
+  };
+  PolicyOptions options{clip_low, clip_high, kl_coef, entropy_coef, return_stats};
+  const PolicyRows policy(run, options, *selected(advantages), selected(token_weights), selected(old_log_probs),
+                          selected(ref_log_probs));
+  CoefficientSource source;
+  source.from_stats = [&policy](int64_t begin, int64_t end, const RowStats& s) {
+    return policy.coefficients(begin, end, s);
+  };
+  const auto [s, g] = forward_with_grad(vocab_shard(run, o), o, plan, source, output_mask);
+  const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight, input.scalar_type() == at::kHalf);
+  return {flag_bad_targets(p, policy.loss()), policy.stats(), gx, gw, gb};
 }
 
 void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

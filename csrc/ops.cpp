@@ -228,6 +228,137 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
   return {loss, lse};
 }
 
+using PolicyOutputs = std::tuple<at::Tensor, at::Tensor>;
+
+// The policy loss's op below autograd: its forward with gradient (the gradients asked for in `mask`).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_policy_with_grad(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
+    const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
+    const std::optional<at::Tensor>& ref_log_probs, const std::optional<at::Tensor>& linear_bias,
+    std::array<bool, 3> mask, const std::vector<c10::IValue>& options) {
+  static const auto op = op_handle("fused_ce::linear_policy_loss_with_grad");
+  torch::jit::Stack stack{input,         linear_weight, target,
+                          advantages,    token_weights, old_log_probs,
+                          ref_log_probs, linear_bias,   std::vector<bool>(mask.begin(), mask.end())};
+  stack.insert(stack.end(), options.begin(), options.end());
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.callBoxed(&stack);
+  return {stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor(), stack[3].toTensor(), stack[4].toTensor()};
+}
+
+// Autograd of linear_policy_loss: the gradients are formed in the forward (their coefficients need only the
+// forward's row stats and the per-token inputs), the backward scales them, as the scalar cross-entropy's.
+class PolicyLossFunction : public torch::autograd::Function<PolicyLossFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& linear_weight,
+                               const at::Tensor& target, const at::Tensor& advantages,
+                               const std::optional<at::Tensor>& token_weights,
+                               const std::optional<at::Tensor>& old_log_probs,
+                               const std::optional<at::Tensor>& ref_log_probs,
+                               const std::optional<at::Tensor>& linear_bias, const std::vector<c10::IValue>& options) {
+    const bool has_bias = linear_bias && linear_bias->defined();
+    const std::array<bool, 3> needs{input.requires_grad(), linear_weight.requires_grad(),
+                                    has_bias && linear_bias->requires_grad()};
+    auto [loss, stats, gx, gw, gb] = call_policy_with_grad(input, linear_weight, target, advantages, token_weights,
+                                                           old_log_probs, ref_log_probs, linear_bias, needs, options);
+    ctx->saved_data["grads"] = std::vector<at::Tensor>{gx, gw, gb};
+    ctx->saved_data["needs_grad"] = std::vector<bool>(needs.begin(), needs.end());
+    ctx->saved_data["options"] = c10::ivalue::Tuple::create(options);
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(input.scalar_type()),
+                                                     static_cast<int64_t>(linear_weight.scalar_type()),
+                                                     has_bias ? static_cast<int64_t>(linear_bias->scalar_type()) : 0};
+    ctx->save_for_backward({input, linear_weight, target, advantages, token_weights.value_or(at::Tensor()),
+                            old_log_probs.value_or(at::Tensor()), ref_log_probs.value_or(at::Tensor()),
+                            linear_bias.value_or(at::Tensor())});
+    ctx->mark_non_differentiable({stats});
+    return {loss, stats};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!at::GradMode::is_enabled(),
+                                "fused_ce.linear_policy_loss: double backward is not supported");
+    const auto needs = ctx->saved_data["needs_grad"].toBoolList();
+    const std::array<bool, 3> mask{needs[0], needs[1], needs[2]};
+    std::vector<at::Tensor> list;
+    auto precomputed = ctx->saved_data.find("grads");
+    if (precomputed != ctx->saved_data.end()) {
+      list = precomputed->second.toTensorVector();
+      ctx->saved_data.erase(precomputed);  // handed on once, without a copy
+    } else {                               // a second backward through a retained graph: the same computation again
+      const auto saved = ctx->get_saved_variables();
+      const auto& elements = ctx->saved_data["options"].toTupleRef().elements();
+      const auto all = call_policy_with_grad(saved[0], saved[1], saved[2], saved[3], optional(saved[4]),
+                                             optional(saved[5]), optional(saved[6]), optional(saved[7]), mask,
+                                             std::vector<c10::IValue>(elements.begin(), elements.end()));
+      list = {std::get<2>(all), std::get<3>(all), std::get<4>(all)};
+    }
+    at::Tensor grad_loss = grads[0].defined() ? grads[0] : at::zeros({}, list[0].options().dtype(at::kFloat));
+    static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
+    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+    variable_list out(9);  // input, linear_weight, target, advantages, token_weights, old, ref, bias, options
+    const int slot[3] = {0, 1, 7};
+    for (int i = 0; i < 3; ++i) {
+      if (!mask[i]) continue;
+      const auto dtype = static_cast<at::ScalarType>(dtypes[i]);
+      if (list[i].scalar_type() == dtype) {
+        scale_op.call(list[i], grad_loss);
+      } else {  // float16's float32 gradients: scaled, then rounded once
+        at::Tensor rounded = at::empty_like(list[i], list[i].options().dtype(dtype));
+        list[i] = at::mul_out(rounded, list[i], grad_loss);
+      }
+      out[slot[i]] = list[i];
+    }
+    return out;
+  }
+};
+
+// The policy loss's option values in schema order, boxed (they travel to the with-grad op by name order).
+#define FUSED_CE_IVALUE_ITEM(cpp_type, name, ...) , c10::IValue(name)
+#define FUSED_CE_POLICY_IVALUES                                                        \
+  detail::call_without_first([](auto... v) { return std::vector<c10::IValue>{v...}; }, \
+                             0 FUSED_CE_POLICY_OPTIONS(FUSED_CE_IVALUE_ITEM)           \
+                                 FUSED_CE_SHARD_OPTIONS(FUSED_CE_IVALUE_ITEM))
+
+PolicyOutputs linear_policy_loss(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                                 const at::Tensor& advantages, const std::optional<at::Tensor>& token_weights,
+                                 const std::optional<at::Tensor>& old_log_probs,
+                                 const std::optional<at::Tensor>& ref_log_probs,
+                                 const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
+                                     FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+  const auto [loss, stats, gx, gw, gb] =
+      call_policy_with_grad(input, linear_weight, target, advantages, token_weights, old_log_probs, ref_log_probs,
+                            linear_bias, {false, false, false}, FUSED_CE_POLICY_IVALUES);
+  return {loss, stats};
+}
+
+PolicyOutputs linear_policy_loss_autograd(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
+    const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
+    const std::optional<at::Tensor>& ref_log_probs,
+    const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
+        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+  for (const auto& [name, t] : {std::pair<const char*, std::optional<at::Tensor>>{"advantages", advantages},
+                                {"token_weights", token_weights},
+                                {"old_log_probs", old_log_probs},
+                                {"ref_log_probs", ref_log_probs}}) {
+    TORCH_CHECK(!at::GradMode::is_enabled() || !t || !t->defined() || !t->requires_grad(),
+                "linear_policy_loss: not differentiable with respect to ", name,
+                "; it cannot have "
+                "requires_grad=True (detach it)");
+  }
+  const bool differentiable = input.requires_grad() || linear_weight.requires_grad() ||
+                              (linear_bias && linear_bias->defined() && linear_bias->requires_grad());
+  if (!at::GradMode::is_enabled() || !differentiable) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return linear_policy_loss(input, linear_weight, target, advantages, token_weights, old_log_probs, ref_log_probs,
+                              linear_bias FUSED_CE_ARGS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
+  }
+  check_no_functorch_transform();
+  auto out = PolicyLossFunction::apply(input, linear_weight, target, advantages, token_weights, old_log_probs,
+                                       ref_log_probs, linear_bias, FUSED_CE_POLICY_IVALUES);
+  return {out[0], out[1]};
+}
+
 // fused_ce::linear_log_probs: log softmax(softcap(z) / temperature)[target] per row (0 where ignored), the
 // entropy and the argmax of that distribution, as _linear_cross_entropy with reduction 'none' (minus its loss):
 // softcap(z) / T is a softcap of s / T on z / T. Composite, so autograd, torch.compile and export see the
@@ -318,6 +449,18 @@ TORCH_LIBRARY(fused_ce, m) {
             FUSED_CE_LOG_PROB_OPTIONS)
             FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor log_probs, Tensor entropy, Tensor argmax)",
         {at::Tag::pt2_compliant_tag});
+  m.def(
+      "linear_policy_loss(Tensor input, Tensor linear_weight, Tensor target, Tensor advantages, "
+      "Tensor? token_weights=None, Tensor? old_log_probs=None, Tensor? ref_log_probs=None, "
+      "Tensor? linear_bias=None" FUSED_CE_SCHEMA(FUSED_CE_POLICY_OPTIONS)
+          FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor loss, Tensor stats)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "linear_policy_loss_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor advantages, "
+      "Tensor? token_weights, Tensor? old_log_probs, Tensor? ref_log_probs, Tensor? linear_bias, "
+      "bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_POLICY_OPTIONS)
+          FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor loss, Tensor stats, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
   m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&plan_of>());
   m.def("_embedded_archs() -> int[]", &embedded_archs);
@@ -327,6 +470,8 @@ TORCH_LIBRARY(fused_ce, m) {
 
 TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
   m.impl("_scale_grad_", &scale_grad_);
+  m.impl("linear_policy_loss", &linear_policy_loss);
+  m.impl("linear_policy_loss_with_grad", &linear_policy_loss_with_grad);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
   m.impl("_linear_cross_entropy", &linear_cross_entropy_all);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
@@ -335,6 +480,8 @@ TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
 
 TORCH_LIBRARY_IMPL(fused_ce, CUDA, m) {
   m.impl("_scale_grad_", &scale_grad_);
+  m.impl("linear_policy_loss", &linear_policy_loss);
+  m.impl("linear_policy_loss_with_grad", &linear_policy_loss_with_grad);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
   m.impl("_linear_cross_entropy", &linear_cross_entropy_all);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
@@ -346,6 +493,7 @@ TORCH_LIBRARY_IMPL(fused_ce, CompositeImplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
+  m.impl("linear_policy_loss", &linear_policy_loss_autograd);
   m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
   m.impl("_linear_cross_entropy", &linear_cross_entropy_all_autograd);
 }

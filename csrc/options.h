@@ -69,6 +69,17 @@
   X(bool, return_argmax, "bool", False)             \
   X(std::optional<int64_t>, workspace_bytes, "int?", None)
 
+// The options of linear_policy_loss (policy.h), followed by the shard options.
+#define FUSED_CE_POLICY_OPTIONS(X)      \
+  X(double, clip_low, "float", 0.2)     \
+  X(double, clip_high, "float", 0.2)    \
+  X(double, kl_coef, "float", 0.0)      \
+  X(double, entropy_coef, "float", 0.0) \
+  X(double, temperature, "float", 1.0)  \
+  X(int64_t, ignore_index, "int", -100) \
+  X(bool, return_stats, "bool", False)  \
+  X(std::optional<int64_t>, workspace_bytes, "int?", None)
+
 // Every option, in the internal ops' order.
 #define FUSED_CE_ALL_OPTIONS(X) FUSED_CE_LOSS_OPTIONS(X) FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_SHARD_OPTIONS(X)
 
@@ -125,6 +136,9 @@ struct LossOptions {
   FUSED_CE_ALL_OPTIONS(FUSED_CE_FIELD_ITEM)
 #undef FUSED_CE_FIELD_ITEM
   Reduction reduction_kind = Reduction::Mean;  // `reduction` parsed
+  // Not an option of a schema: set by linear_policy_loss, whose gradient coefficients have no bound that
+  // float16's gradient scale could rely on (plan.cpp).
+  bool policy_loss = false;
 
   // Checks every value; errors name the argument.
   static LossOptions parse(c10::string_view op FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));

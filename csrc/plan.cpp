@@ -89,9 +89,10 @@ constexpr double kFloat16LogitsScale = 1.0 / 256;
 // gradient g of a scalar loss at unit scale. |g| <= c * (1 + 2 z |lse|) plus smoothing's smaller term,
 // where the row's coefficient c is at most 1 for 'mean' (its class weight over the sum of all counted
 // rows' ones) and for 'sum' without class weights; 2^14 leaves room for the z-loss term up to |lse| = 100.
-// 'sum' with class weights has c = the weight itself, unbounded: unit scale.
+// 'sum' with class weights has c = the weight itself, unbounded: unit scale; so has the policy loss (its
+// advantages have no bound).
 double float16_grad_scale(const Problem& p, const LossOptions& o) {
-  if (o.reduction_kind == Reduction::Sum && p.class_weight.defined()) return 1.0;
+  if ((o.reduction_kind == Reduction::Sum && p.class_weight.defined()) || o.policy_loss) return 1.0;
   return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(1.0 + 200.0 * o.z_loss))));
 }
 

@@ -32,13 +32,23 @@ def library_path() -> str:
 torch.ops.load_library(library_path())  # registers the ops
 from . import _fake  # noqa: E402, F401  (fake kernels for FakeTensor / torch.compile)
 from ._version import __version__  # noqa: E402
-from .functional import LogProbs, Plan, linear_cross_entropy, linear_log_probs, plan  # noqa: E402
+from .functional import (  # noqa: E402
+    LogProbs,
+    Plan,
+    PolicyStats,
+    linear_cross_entropy,
+    linear_log_probs,
+    linear_policy_loss,
+    plan,
+)
 from .modules import LinearCrossEntropyLoss  # noqa: E402
 
 __all__ = [
     "linear_cross_entropy",
     "linear_log_probs",
     "LogProbs",
+    "linear_policy_loss",
+    "PolicyStats",
     "LinearCrossEntropyLoss",
     "plan",
     "Plan",

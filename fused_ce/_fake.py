@@ -101,3 +101,33 @@ def _linear_cross_entropy_with_grad_fake(*args, **kwargs):
 @torch.library.register_fake("fused_ce::_scale_grad_")
 def _scale_grad_fake(grad, scale):
     torch._check(scale.numel() == 1, lambda: "fused_ce::_scale_grad_: scale must hold one value")
+
+
+def _policy_outputs(a):
+    input = a["input"]
+    _check_devices(
+        input,
+        a["linear_weight"],
+        a["target"],
+        a["advantages"],
+        a["token_weights"],
+        a["old_log_probs"],
+        a["ref_log_probs"],
+        a["linear_bias"],
+    )
+    loss = input.new_empty((), dtype=_loss_dtype(input))
+    return loss, loss.new_empty((6,) if a["return_stats"] else (0,))
+
+
+@torch.library.register_fake("fused_ce::linear_policy_loss")
+def _linear_policy_loss_fake(*args, **kwargs):
+    return _policy_outputs(_arguments(torch.ops.fused_ce.linear_policy_loss.default, args, kwargs))
+
+
+@torch.library.register_fake("fused_ce::linear_policy_loss_with_grad")
+def _linear_policy_loss_with_grad_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce.linear_policy_loss_with_grad.default, args, kwargs)
+    grads = _grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"])
+    if a["input"].dtype == torch.float16:  # float32 until the backward scales them (csrc/loss.h)
+        grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
+    return (*_policy_outputs(a), *grads)

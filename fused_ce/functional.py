@@ -387,6 +387,114 @@ def linear_log_probs(
     return LogProbs(log_probs, entropy if return_entropy else None, argmax if return_argmax else None)
 
 
+class PolicyStats(NamedTuple):
+    """What trainers log of a policy-gradient step, over the counted tokens (0-dim float32 tensors)."""
+
+    ratio: Tensor  # mean probability ratio against the old policy
+    clip_low: Tensor  # fraction clipped below (ratio < 1 - clip_low where the advantage is negative)
+    clip_high: Tensor  # fraction clipped above (ratio > 1 + clip_high where the advantage is positive)
+    kl: Tensor  # mean k3 KL against the reference policy (0 without reference log-probs)
+    entropy: Tensor  # mean entropy
+    accuracy: Tensor  # fraction of tokens whose action is the most likely token
+
+
+def _policy_options(
+    *,
+    clip_low=0.2,
+    clip_high=0.2,
+    kl_coef=0.0,
+    entropy_coef=0.0,
+    temperature=1.0,
+    ignore_index=-100,
+    return_stats=False,
+    workspace_bytes=None,
+    shard=None,
+):
+    """linear_policy_loss' option arguments by name (csrc/options.h, FUSED_CE_POLICY_OPTIONS)."""
+    return dict(
+        clip_low=float(clip_low),
+        clip_high=float(clip_high),
+        kl_coef=float(kl_coef),
+        entropy_coef=float(entropy_coef),
+        temperature=float(temperature),
+        ignore_index=-100 if ignore_index is None else int(ignore_index),
+        return_stats=bool(return_stats),
+        workspace_bytes=workspace_bytes,
+        **_shard_options(shard),
+    )
+
+
+_check_front("linear_policy_loss", _option_names(torch.ops.fused_ce.linear_policy_loss), _policy_options())
+
+
+def linear_policy_loss(
+    input: Tensor,
+    linear_weight: Tensor,
+    actions: Tensor,
+    advantages: Tensor,
+    *,
+    token_weights: Tensor | None = None,
+    old_log_probs: Tensor | None = None,
+    ref_log_probs: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+    temperature: float = 1.0,
+    linear_bias: Tensor | None = None,
+    ignore_index: int | None = -100,
+    return_stats: bool = False,
+    process_group=None,
+    workspace_bytes: int | None = None,
+) -> Tensor | tuple[Tensor, PolicyStats]:
+    r"""A policy-gradient loss (PPO-clip / GRPO, with a k3 KL and an entropy bonus) from the lm_head's input, without
+    the logits, its gradients formed in the forward from one evaluation of them (6·N·D·V flops).
+
+    Per counted token i (``actions != ignore_index``), with ``logp_i = log softmax(z_i / temperature)[action_i]``
+    and ``H_i`` its entropy::
+
+        ratio_i = exp(logp_i - old_i)        # old_i = logp_i detached without old_log_probs (on-policy)
+        pg_i = -min(ratio_i * A_i, clamp(ratio_i, 1 - clip_low, 1 + clip_high) * A_i)
+        kl_i = exp(ref_i - logp_i) - (ref_i - logp_i) - 1          # with ref_log_probs
+        loss = sum_i w_i * (pg_i + kl_coef * kl_i - entropy_coef * H_i)
+
+    with ``w_i = token_weights[i]`` (every aggregation in use: a token mean over the batch, per-sequence means, a
+    constant normaliser as in Dr. GRPO), by default ``1 / (number of counted tokens)``. The gradient is autograd's
+    of the same formula in torch (min and clamp take torch's subgradients: halved at ties, inclusive bounds).
+
+    Args:
+        input: ``[..., D]`` hidden states; ``linear_weight`` ``[V, D]`` (a vocabulary shard with
+            ``process_group``); ``actions`` ``[...]`` the sampled tokens.
+        advantages, token_weights, old_log_probs, ref_log_probs: ``[...]`` per token, like ``actions``, without
+            gradient.
+        return_stats: also :class:`PolicyStats` (mean ratio, clip fractions, mean KL, mean entropy, token
+            accuracy), computed in the same pass.
+
+    Returns:
+        The float32 loss, or ``(loss, PolicyStats)``.
+    """
+    input, linear_weight, actions, linear_bias, _, shard = _vocab_parallel(
+        input, linear_weight, actions, linear_bias, None, process_group, None
+    )
+    options = _policy_options(
+        clip_low=clip_low,
+        clip_high=clip_high,
+        kl_coef=kl_coef,
+        entropy_coef=entropy_coef,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_stats=return_stats,
+        workspace_bytes=workspace_bytes,
+        shard=shard,
+    )
+    loss, stats = torch.ops.fused_ce.linear_policy_loss(
+        input, linear_weight, actions, advantages, token_weights, old_log_probs, ref_log_probs, linear_bias, **options
+    )
+    if not return_stats:
+        return loss
+    return loss, PolicyStats(*stats.unbind())
+
+
 _DTYPES = {"BFloat16": torch.bfloat16, "Half": torch.float16, "Float": torch.float32, "Double": torch.float64}
 
 # What one op call does (csrc/plan.h, whose comments say what each field means; plan_fields lists them, and the
