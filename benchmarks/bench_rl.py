@@ -111,18 +111,60 @@ def methods_for(workload):
             "fused_ce log-probs + torch": fused_log_probs_then_torch,
             "torch.compile": compiled(torch_policy),
         }
+        try:  # what TRL's use_liger_loss runs
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            liger_grpo = LigerFusedLinearGRPOLoss(beta=0.04, use_ref_model=True, loss_type="bnpo")
+
+            def liger_policy(x, w, t, rl):
+                B = rl["sequences"]
+                mask = (t >= 0).view(B, -1)
+                loss, _ = liger_grpo(
+                    x.view(B, -1, x.shape[-1]),
+                    w,
+                    t.clamp_min(0).view(B, -1),
+                    mask.int(),
+                    rl["sequence_adv"],
+                    ref_per_token_logps=rl["ref"].view(B, -1),
+                    old_per_token_logps=rl["old"].view(B, -1),
+                )
+                return loss
+
+            table["grpo"]["liger-kernel LigerFusedLinearGRPOLoss"] = liger_policy
+        except ImportError:
+            pass
+    if workload == "nll":
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+            def liger_nll(x, w, t, adv):
+                out = liger_fused_linear_cross_entropy(x, w, t, reduction="none")
+                return (adv * (out[0] if isinstance(out, tuple) else out)).sum()
+
+            table["nll"]["liger-kernel (Triton, reduction='none')"] = liger_nll
+        except ImportError:
+            pass
     return table.get(workload, {})
 
 
-def rl_inputs(t, seed=0):
-    """Per-token advantages, old and reference log-probs near the policy's, and the token-mean weights."""
+def rl_inputs(t, sequences=8, seed=0):
+    """Advantages (per token, and per sequence for GRPO: one per completion, broadcast to its tokens), old and
+    reference log-probs near the policy's, and the token-mean weights."""
     g = torch.Generator(device=t.device).manual_seed(seed)
     counted = t >= 0
-    adv = torch.randn(t.shape, device=t.device, generator=g)
+    sequence_adv = torch.randn(sequences, device=t.device, generator=g)
     old = -torch.rand(t.shape, device=t.device, generator=g) * 12
     ref = old + 0.1 * torch.randn(t.shape, device=t.device, generator=g)
     weights = counted.float() / counted.sum()
-    return dict(adv=adv, old=old, ref=ref, weights=weights)
+    return dict(
+        adv=sequence_adv.repeat_interleave(t.numel() // sequences),
+        sequence_adv=sequence_adv,
+        old=old,
+        ref=ref,
+        weights=weights,
+        sequences=sequences,
+        per_token_adv=torch.randn(t.shape, device=t.device, generator=g),
+    )
 
 
 def measure(fn, x, w, t, extra, warmup, repeat, grad):
@@ -170,7 +212,7 @@ def main():
                 extra = rl_inputs(t)
             else:
                 x, w, t = make_inputs(N, D, V, "cuda")
-                extra = rl_inputs(t)["adv"]
+                extra = rl_inputs(t)["per_token_adv"]
             grad = workload not in ("forward", "log_probs")
             flops = (8 if grad else 2) * N * D * V
             values = {}

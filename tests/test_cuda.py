@@ -28,6 +28,7 @@ STRATEGY_KERNELS = {
     ("forward", "stored_logits"): {"logit_partials_kernel", "combine_partials_kernel"},
     ("forward", "dot_tiles"): {"row_stats_kernel"},
     ("forward_with_grad", "stored_logits"): {"logit_partials_kernel", "combine_partials_kernel", "softmax_grad_kernel"},
+    ("backward", "stored_logits"): {"softmax_grad_kernel"},
     ("backward", "dot_tiles"): {"logit_grad_kernel"},
 }
 ALL_STAGE_KERNELS = set().union(*STRATEGY_KERNELS.values())
@@ -49,7 +50,7 @@ def test_executors_follow_the_plan(dtype, aligned):
             lambda: fused_ce.linear_cross_entropy(x, w, t).backward(),
         ),
         "per-row loss, backward": (
-            [("forward", stored), ("backward", "dot_tiles")],
+            [("forward", stored), ("backward", stored)],
             lambda: fused_ce.linear_cross_entropy(x, w, t, reduction="none").sum().backward(),
         ),
     }

@@ -104,8 +104,9 @@ def test_float16_stores_scaled_logits():
     assert plan.grad_input_dtype == plan.grad_weight_dtype == torch.float32 and plan.grad_scale == 2.0**14
     assert fused_ce.plan(x, w, t, reduction="sum", weight=torch.ones(C[2], device="cuda")).grad_scale == 1.0
     assert fused_ce.plan(x, w, t, z_loss=1e-2).grad_scale == 2.0**12  # room for 2 z |lse| up to |lse| = 100
-    recompute = fused_ce.plan(x, w, t, pass_="backward")
-    assert recompute.strategy == "dot_tiles" and recompute.grad_scale == recompute.logits_scale == 1.0
+    recompute = fused_ce.plan(x, w, t, pass_="backward")  # the upstream gradient in its coefficients: unit scale
+    assert recompute.strategy == "stored_logits" and recompute.grad_scale == 1.0
+    assert recompute.logits_scale == 2.0**-8 and recompute.grad_input_dtype == torch.float16
     bf16 = fused_ce.plan(*expanded(*C, torch.bfloat16, "cuda", grad=True))
     assert bf16.grad_scale == bf16.logits_scale == 1.0
 
@@ -132,9 +133,13 @@ def test_per_row_losses_recompute_in_the_backward():
     x, w, t = expanded(*C, torch.bfloat16, "cuda", grad=True)
     assert fused_ce.plan(x, w, t, reduction="none").strategy == "stored_logits"
     back = fused_ce.plan(x, w, t, reduction="none", pass_="backward")
-    # all 4096 rows in one block, the vocabulary in two slices: dX accumulates across slices in float32
-    assert (back.strategy, back.block_rows) == ("dot_tiles", C[0]) and back.tile_cols < C[2]
-    assert back.grad_input_dtype == torch.float32 and back.grad_weight_dtype == torch.bfloat16
+    # cuBLAS logits again, in the forward's row blocks, turned into their gradient in place: dX written once
+    assert (back.strategy, back.block_rows, back.tile_cols) == ("stored_logits", 2048, C[2])
+    assert back.grad_input_dtype == back.grad_weight_dtype == torch.bfloat16
+    # a lean budget keeps the tl.dot tiles: all rows in one block, vocabulary slices, dX accumulated in float32
+    lean = fused_ce.plan(x, w, t, reduction="none", pass_="backward", workspace_bytes=64 * MiB)
+    assert (lean.strategy, lean.block_rows) == ("dot_tiles", C[0]) and lean.tile_cols < C[2]
+    assert lean.grad_input_dtype == torch.float32 and lean.grad_weight_dtype == torch.bfloat16
 
 
 @cuda

@@ -93,6 +93,8 @@ def variant_spec(name, dtype, layout, arch):
             constexprs["FAST_TANH"] = configs.fast_tanh(dtype)
         blocks = dict(block_n=cfg.rows, block_v=cfg.block, block_d=0)
     constexprs.update(flavor_constexprs)
+    if "BLOCK_R" in flavor_constexprs:  # a flavor with fewer rows per program (its registers)
+        blocks["block_n"] = flavor_constexprs["BLOCK_R"]
     signature, attrs, params = {}, {}, []  # params: (name, type) actually passed at launch
     for i, (name, ty) in enumerate(spec.params):
         ty = ty.replace("T", dtype)

@@ -28,7 +28,7 @@ SPEC = KernelSpec(
     ),
     family="combine",
     layouts=("general",),  # one gathered load per row: nothing to gain from aligned accesses
-    flavors=(("extras", (("EXTRAS", True),)),),  # the entropy and the argmax
+    flavors=(("extras", (("EXTRAS", True), ("BLOCK_R", 8))),),  # the entropy and the argmax, half the rows
 )
 
 

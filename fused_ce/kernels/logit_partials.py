@@ -29,7 +29,7 @@ SPEC = KernelSpec(
     family="stored_logits",
     # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (NOTES.md, step 14)
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),
-    flavors=(("extras", (("EXTRAS", True),)),),  # the entropy's and the argmax's partials
+    flavors=(("extras", (("EXTRAS", True), ("BLOCK_R", 2))),),  # the entropy's and argmax's partials, half the rows
 )
 
 
@@ -52,9 +52,10 @@ def logit_partials_kernel(
     m = tl.max(tl.where(mask, z, float("-inf")), axis=1)
     m = tl.where(row_mask, m, 0.0)  # rows past the block: keep them finite, they are not stored
     out = rows * segments + seg
-    if EXTRAS and has_argmax:
-        first = tl.min(tl.where(mask & (z == m[:, None]), cols[None, :], V), axis=1)
-        tl.store(pa_ptr + out, first, mask=row_mask)
+    if EXTRAS and has_argmax:  # (the column within the tile in 32 bits: a tile of 64-bit indices costs registers)
+        local = tl.arange(0, BLOCK)
+        first = tl.min(tl.where(mask & (z == m[:, None]), local[None, :], BLOCK), axis=1)
+        tl.store(pa_ptr + out, seg.to(tl.int64) * BLOCK + first, mask=row_mask)
     s = tl.sum(tl.where(mask, tl.exp(z - m[:, None]), 0.0), axis=1)
     tl.store(pm_ptr + out, m, mask=row_mask)
     tl.store(ps_ptr + out, s, mask=row_mask)

@@ -30,7 +30,7 @@ SPEC = KernelSpec(
     ),
     family="stored_logits",
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),  # V: see logit_partials.py
-    flavors=(("entropy", (("ALPHA_Z", True),)),),  # the entropy's gradient term
+    flavors=(("entropy", (("ALPHA_Z", True), ("BLOCK_R", 2))),),  # the entropy's gradient term, half the rows
 )
 
 
@@ -57,12 +57,15 @@ def softmax_grad_kernel(
     beta = tl.load(beta_ptr + rows, mask=row_mask, other=0.0)
     # rows with no coefficient (ignored ones) get exactly 0, also where their logits are NaN or inf
     active = (alpha0 != 0.0) | (alpha_lse != 0.0) | (beta != 0.0)
-    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1) - col_offset  # in the block's columns; -1 matches none
+    # the target's column within this tile, in 32 bits (a tile of 64-bit column indices costs registers); a target
+    # elsewhere, or -1, matches none
+    tgt = (tl.load(tgt_ptr + rows, mask=row_mask, other=-1) - col_offset - seg.to(tl.int64) * BLOCK).to(tl.int32)
+    tgt = tl.where(tgt < 0, BLOCK, tgt)
 
     ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
     z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
     p = tl.exp(z - lse[:, None])
-    g = p * alpha[:, None] - tl.where(cols[None, :] == tgt[:, None], beta[:, None], 0.0)
+    g = p * alpha[:, None] - tl.where(tl.arange(0, BLOCK)[None, :] == tgt[:, None], beta[:, None], 0.0)
     if ALPHA_Z:
         alpha_z = tl.load(alpha_z_ptr + rows, mask=row_mask, other=0.0)
         active = active | (alpha_z != 0.0)

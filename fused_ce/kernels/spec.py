@@ -30,7 +30,7 @@ class KernelSpec:
     # Kernels compiled from this source besides the plain one: (suffix, ((constexpr, value), ...)) each, in the
     # kernel table as "{name}_{suffix}". Rare features live in a flavor of their own: as runtime branches their
     # registers would slow every call (the stored-logits passes spill with the entropy's terms compiled in).
-    # The plain kernel gets each flavor constexpr's first value: False.
+    # The plain kernel gets False for each flavor's switch; a flavor may also set BLOCK_R, its rows per program.
     flavors: tuple = ()
 
     def variants(self):
@@ -39,7 +39,7 @@ class KernelSpec:
 
     def kernels(self):
         """(table name, constexprs) of every kernel compiled from this source: the plain one, then the flavors."""
-        off = {name: False for _, settings in self.flavors for name, _ in settings}
+        off = {name: False for _, settings in self.flavors for name, _ in settings if name != "BLOCK_R"}
         return [(self.name, off)] + [(f"{self.name}_{suffix}", dict(off, **dict(settings))) for suffix, settings in
                                      self.flavors]
 
