@@ -92,6 +92,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const Problem& p, const R
   return {s.lse.reshape(shape), entropy, argmax};
 }
 
+// The kernels' own ATen calls (GEMMs, reductions) run in the dtypes they are given: under autocast, nested
+// calls would otherwise round, say, the logits of a float32 GEMM to bfloat16. Autocast is the ops' own
+// (ops.cpp: it casts the linear's operands, like F.linear).
+using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
@@ -109,6 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr);
@@ -129,6 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& target, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
     const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   const LossOptions o = LossOptions::parse("linear_cross_entropy_backward" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   // the forward checked these targets; the count is read all the same
@@ -147,6 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   const LossOptions o = LossOptions::parse("linear_cross_entropy_with_grad" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
   TORCH_CHECK_VALUE(o.scalar(), "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
@@ -172,6 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
     const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
     const std::optional<at::Tensor>& ref_log_probs, const std::optional<at::Tensor>& linear_bias,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   TORCH_CHECK_VALUE(temperature > 0.0 && std::isfinite(temperature),
                     "linear_policy_loss: temperature must be a finite value > 0, got ", num(temperature));
   TORCH_CHECK_VALUE(clip_low >= 0.0 && clip_low < 1.0 && clip_high >= 0.0 && std::isfinite(clip_high),
@@ -179,10 +188,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
                     num(clip_high));
   TORCH_CHECK_VALUE(std::isfinite(kl_coef) && std::isfinite(entropy_coef),
                     "linear_policy_loss: kl_coef and entropy_coef must be finite");
-  // a scalar loss of the log-probs at this temperature, with the entropy and argmax where the objective or
-  // the stats need them
-  LossOptions o = LossOptions::parse("linear_policy_loss", "sum", ignore_index, 0.0, 0.0, std::nullopt,
-                                     1.0 / temperature, workspace_bytes,
+  // a scalar loss of the log-probs of softcap(logit_scale * z) / temperature (as linear_log_probs'), with the
+  // entropy and argmax where the objective or the stats need them
+  LossOptions o = LossOptions::parse("linear_policy_loss", "sum", ignore_index, 0.0, 0.0,
+                                     softcap ? std::optional<double>(*softcap / temperature) : std::nullopt,
+                                     logit_scale / temperature, workspace_bytes,
                                      /*lse_of_ignored_rows=*/false, entropy_coef != 0.0 || return_stats,
                                      return_stats FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
   o.policy_loss = true;
@@ -207,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
     const at::Tensor flat = t->reshape({p.N});
     return plan.counted_rows_only ? flat.index_select(0, rows.counted_index()) : flat;
   };
-  PolicyOptions options{clip_low, clip_high, kl_coef, entropy_coef, return_stats};
+  PolicyOptions options{clip_low, clip_high, kl_coef, entropy_coef, kl_times_ratio, return_stats};
   const PolicyRows policy(run, options, *selected(advantages), selected(token_weights), selected(old_log_probs),
                           selected(ref_log_probs));
   CoefficientSource source;

@@ -359,9 +359,27 @@ PolicyOutputs linear_policy_loss_autograd(
   return {out[0], out[1]};
 }
 
-// fused_ce::linear_log_probs: log softmax(softcap(z) / temperature)[target] per row (0 where ignored), the
-// entropy and the argmax of that distribution, as _linear_cross_entropy with reduction 'none' (minus its loss):
-// softcap(z) / T is a softcap of s / T on z / T. Composite, so autograd, torch.compile and export see the
+// Autocast: the linear's operands in the autocast dtype, as for the loss (the per-token inputs stay as given).
+template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
+PolicyOutputs linear_policy_loss_autocast(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
+    const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
+    const std::optional<at::Tensor>& ref_log_probs,
+    const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
+        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
+  const auto dtype = at::autocast::get_autocast_dtype(device_type);
+  const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
+  std::optional<at::Tensor> bias;
+  if (linear_bias && linear_bias->defined()) bias = cast(*linear_bias);
+  static auto op = op_handle("fused_ce::linear_policy_loss").typed<decltype(linear_policy_loss)>();
+  return op.call(cast(input), cast(linear_weight), target, advantages, token_weights, old_log_probs, ref_log_probs,
+                 bias FUSED_CE_ARGS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
+}
+
+// fused_ce::linear_log_probs: log softmax(softcap(logit_scale * z) / temperature)[target] per row (0 where
+// ignored), the entropy and the argmax of that distribution, as _linear_cross_entropy with reduction 'none'
+// (minus its loss): softcap(u) / T is a softcap of s / T on u / T. Composite, so autograd, torch.compile and export see the
 // op it calls.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
@@ -373,7 +391,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
   o.reduction = "none";
   o.ignore_index = ignore_index;
   o.softcap = softcap ? std::optional<double>(*softcap / temperature) : std::nullopt;
-  o.logit_scale = 1.0 / temperature;
+  o.logit_scale = logit_scale / temperature;
   o.workspace_bytes = workspace_bytes;
   o.lse_of_ignored_rows = false;
   o.return_entropy = return_entropy;
@@ -502,12 +520,16 @@ TORCH_LIBRARY_IMPL(fused_ce, AutocastCUDA, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
   m.impl("_linear_cross_entropy",
          &linear_cross_entropy_all_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+  m.impl("linear_policy_loss",
+         &linear_policy_loss_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCPU, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
   m.impl("_linear_cross_entropy",
          &linear_cross_entropy_all_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+  m.impl("linear_policy_loss",
+         &linear_policy_loss_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
 }
 
 }  // namespace fused_ce

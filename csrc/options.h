@@ -64,20 +64,24 @@
 #define FUSED_CE_LOG_PROB_OPTIONS(X)                \
   X(double, temperature, "float", 1.0)              \
   X(std::optional<double>, softcap, "float?", None) \
+  X(double, logit_scale, "float", 1.0)              \
   X(int64_t, ignore_index, "int", -100)             \
   X(bool, return_entropy, "bool", False)            \
   X(bool, return_argmax, "bool", False)             \
   X(std::optional<int64_t>, workspace_bytes, "int?", None)
 
 // The options of linear_policy_loss (policy.h), followed by the shard options.
-#define FUSED_CE_POLICY_OPTIONS(X)      \
-  X(double, clip_low, "float", 0.2)     \
-  X(double, clip_high, "float", 0.2)    \
-  X(double, kl_coef, "float", 0.0)      \
-  X(double, entropy_coef, "float", 0.0) \
-  X(double, temperature, "float", 1.0)  \
-  X(int64_t, ignore_index, "int", -100) \
-  X(bool, return_stats, "bool", False)  \
+#define FUSED_CE_POLICY_OPTIONS(X)                  \
+  X(double, clip_low, "float", 0.2)                 \
+  X(double, clip_high, "float", 0.2)                \
+  X(double, kl_coef, "float", 0.0)                  \
+  X(bool, kl_times_ratio, "bool", False)            \
+  X(double, entropy_coef, "float", 0.0)             \
+  X(double, temperature, "float", 1.0)              \
+  X(std::optional<double>, softcap, "float?", None) \
+  X(double, logit_scale, "float", 1.0)              \
+  X(int64_t, ignore_index, "int", -100)             \
+  X(bool, return_stats, "bool", False)              \
   X(std::optional<int64_t>, workspace_bytes, "int?", None)
 
 // Every option, in the internal ops' order.

@@ -50,8 +50,14 @@ GradCoefficients PolicyRows::coefficients(int64_t begin, int64_t end, const RowS
   if (ref_.defined() && options_.kl_coef != 0.0) {
     const at::Tensor delta = rows(ref_) - logp;
     kl = where_counted(delta.exp() - delta - 1.0);
-    dlogp = dlogp + options_.kl_coef * (1.0 - delta.exp());
-    term = term + options_.kl_coef * kl;
+    const at::Tensor dkl = 1.0 - delta.exp();
+    if (options_.kl_times_ratio) {  // d(kl * ratio) = dkl * ratio + kl * ratio (dratio / dlogp = ratio)
+      dlogp = dlogp + options_.kl_coef * (dkl + kl) * ratio;
+      term = term + options_.kl_coef * kl * ratio;
+    } else {
+      dlogp = dlogp + options_.kl_coef * dkl;
+      term = term + options_.kl_coef * kl;
+    }
   }
   GradCoefficients c;
   const at::Tensor g_logp = where_counted(w * dlogp);  // the upstream gradient of each row's log-prob
@@ -71,11 +77,10 @@ GradCoefficients PolicyRows::coefficients(int64_t begin, int64_t end, const RowS
     logged[0].copy_(where_counted(ratio));
     logged[1].copy_(where_counted((ratio < lo).logical_and(A < 0).to(A.scalar_type())));
     logged[2].copy_(where_counted((ratio > hi).logical_and(A > 0).to(A.scalar_type())));
-    if (kl.defined()) {
-      logged[3].copy_(kl);
-    } else if (ref_.defined()) {  // logged even when it adds nothing to the loss
+    if (ref_.defined()) {  // as the loss has it (times the ratio with kl_times_ratio), even at kl_coef 0
       const at::Tensor delta = rows(ref_) - logp;
-      logged[3].copy_(where_counted(delta.exp() - delta - 1.0));
+      const at::Tensor k3 = kl.defined() ? kl : where_counted(delta.exp() - delta - 1.0);
+      logged[3].copy_(options_.kl_times_ratio ? k3 * ratio : k3);
     }
     logged[4].copy_(where_counted(s.entropy));
     logged[5].copy_(where_counted((s.argmax == rows(target_)).to(A.scalar_type())));

@@ -2,7 +2,8 @@
 // log-prob and H_i the entropy of its distribution,
 //   ratio_i = exp(logp_i - old_i)                       (old_i = logp_i, detached, without old log-probs)
 //   pg_i    = -min(ratio_i * A_i, clamp(ratio_i, 1 - clip_low, 1 + clip_high) * A_i)
-//   kl_i    = exp(ref_i - logp_i) - (ref_i - logp_i) - 1 (the k3 estimator; with reference log-probs)
+//   kl_i    = exp(ref_i - logp_i) - (ref_i - logp_i) - 1 (the k3 estimator; with reference log-probs), times
+//             ratio_i with kl_times_ratio (the importance-sampling correction TRL calls use_bias_correction_kl)
 //   loss    = sum_i w_i * (pg_i + kl_coef * kl_i - entropy_coef * H_i)
 // Its gradient coefficients are functions of the row stats (logp, H) and of inputs known before the call, so
 // the forward forms the gradients from one evaluation of the logits (forward_with_grad, 6NDV), block by block.
@@ -18,6 +19,7 @@ namespace fused_ce {
 
 struct PolicyOptions {
   double clip_low = 0.2, clip_high = 0.2, kl_coef = 0.0, entropy_coef = 0.0;
+  bool kl_times_ratio = false;
   bool stats = false;  // the statistics trainers log (PolicyRows::stats)
 };
 

@@ -76,6 +76,7 @@ def _log_prob_options(
     *,
     temperature=1.0,
     softcap=None,
+    logit_scale=1.0,
     ignore_index=-100,
     return_entropy=False,
     return_argmax=False,
@@ -86,6 +87,7 @@ def _log_prob_options(
     options = dict(
         temperature=float(temperature),
         softcap=None if softcap is None else float(softcap),
+        logit_scale=float(logit_scale),
         ignore_index=-100 if ignore_index is None else int(ignore_index),
         return_entropy=bool(return_entropy),
         return_argmax=bool(return_argmax),
@@ -337,6 +339,7 @@ def linear_log_probs(
     linear_bias: Tensor | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
     ignore_index: int | None = -100,
     return_entropy: bool = False,
     return_argmax: bool = False,
@@ -353,6 +356,7 @@ def linear_log_probs(
         linear_bias: optional ``[V]``.
         temperature: ``T > 0``: the logits (after the softcap) are divided by it, as a sampler's temperature.
         softcap: ``s > 0`` or None: ``s * tanh(z / s)`` before the temperature.
+        logit_scale: the logits are multiplied by it before the softcap (Granite, Cohere, ...).
         return_entropy: also the entropy ``-sum p log p`` of each row's distribution (float32, differentiable:
             its gradient ``-p (log p + H) / T`` through the logits).
         return_argmax: also the most likely token (int64; the lowest index on ties): token accuracy without
@@ -373,6 +377,7 @@ def linear_log_probs(
     options = _log_prob_options(
         temperature=temperature,
         softcap=softcap,
+        logit_scale=logit_scale,
         ignore_index=ignore_index,
         return_entropy=return_entropy,
         return_argmax=return_argmax,
@@ -393,7 +398,7 @@ class PolicyStats(NamedTuple):
     ratio: Tensor  # mean probability ratio against the old policy
     clip_low: Tensor  # fraction clipped below (ratio < 1 - clip_low where the advantage is negative)
     clip_high: Tensor  # fraction clipped above (ratio > 1 + clip_high where the advantage is positive)
-    kl: Tensor  # mean k3 KL against the reference policy (0 without reference log-probs)
+    kl: Tensor  # mean k3 KL against the reference policy, times the ratio with kl_times_ratio (0 without ref)
     entropy: Tensor  # mean entropy
     accuracy: Tensor  # fraction of tokens whose action is the most likely token
 
@@ -403,8 +408,11 @@ def _policy_options(
     clip_low=0.2,
     clip_high=0.2,
     kl_coef=0.0,
+    kl_times_ratio=False,
     entropy_coef=0.0,
     temperature=1.0,
+    softcap=None,
+    logit_scale=1.0,
     ignore_index=-100,
     return_stats=False,
     workspace_bytes=None,
@@ -415,8 +423,11 @@ def _policy_options(
         clip_low=float(clip_low),
         clip_high=float(clip_high),
         kl_coef=float(kl_coef),
+        kl_times_ratio=bool(kl_times_ratio),
         entropy_coef=float(entropy_coef),
         temperature=float(temperature),
+        softcap=None if softcap is None else float(softcap),
+        logit_scale=float(logit_scale),
         ignore_index=-100 if ignore_index is None else int(ignore_index),
         return_stats=bool(return_stats),
         workspace_bytes=workspace_bytes,
@@ -439,8 +450,11 @@ def linear_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     kl_coef: float = 0.0,
+    kl_times_ratio: bool = False,
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
     linear_bias: Tensor | None = None,
     ignore_index: int | None = -100,
     return_stats: bool = False,
@@ -455,7 +469,7 @@ def linear_policy_loss(
 
         ratio_i = exp(logp_i - old_i)        # old_i = logp_i detached without old_log_probs (on-policy)
         pg_i = -min(ratio_i * A_i, clamp(ratio_i, 1 - clip_low, 1 + clip_high) * A_i)
-        kl_i = exp(ref_i - logp_i) - (ref_i - logp_i) - 1          # with ref_log_probs
+        kl_i = exp(ref_i - logp_i) - (ref_i - logp_i) - 1  # with ref_log_probs (times ratio_i: kl_times_ratio)
         loss = sum_i w_i * (pg_i + kl_coef * kl_i - entropy_coef * H_i)
 
     with ``w_i = token_weights[i]`` (every aggregation in use: a token mean over the batch, per-sequence means, a
@@ -467,6 +481,8 @@ def linear_policy_loss(
             ``process_group``); ``actions`` ``[...]`` the sampled tokens.
         advantages, token_weights, old_log_probs, ref_log_probs: ``[...]`` per token, like ``actions``, without
             gradient.
+        temperature, softcap, logit_scale: the logits are ``softcap(logit_scale * z) / temperature``, as in
+            :func:`linear_log_probs`.
         return_stats: also :class:`PolicyStats` (mean ratio, clip fractions, mean KL, mean entropy, token
             accuracy), computed in the same pass.
 
@@ -480,8 +496,11 @@ def linear_policy_loss(
         clip_low=clip_low,
         clip_high=clip_high,
         kl_coef=kl_coef,
+        kl_times_ratio=kl_times_ratio,
         entropy_coef=entropy_coef,
         temperature=temperature,
+        softcap=softcap,
+        logit_scale=logit_scale,
         ignore_index=ignore_index,
         return_stats=return_stats,
         workspace_bytes=workspace_bytes,

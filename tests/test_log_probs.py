@@ -141,7 +141,7 @@ def test_opcheck_and_compile_fullgraph(device):
 def test_torchscript_calls_the_op(tmp_path):
     @torch.jit.script
     def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor):
-        return torch.ops.fused_ce.linear_log_probs(x, w, t, None, 0.5, None, -100, True, True, None)
+        return torch.ops.fused_ce.linear_log_probs(x, w, t, None, 0.5, None, 1.0, -100, True, True, None)
 
     path = tmp_path / "log_probs.pt"
     torch.jit.save(fn, str(path))

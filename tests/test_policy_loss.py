@@ -23,12 +23,18 @@ def torch_policy(
     kl_coef=0.0,
     entropy_coef=0.0,
     temperature=1.0,
+    softcap=None,
+    logit_scale=1.0,
+    kl_times_ratio=False,
     b=None,
     ignore_index=-100,
 ):
     """The objective and the stats trainers log, from float32/float64 logits (what TRL's loss computes)."""
     z = x @ w.T + (0 if b is None else b)
-    z = (z.float() if z.dtype in (torch.bfloat16, torch.float16) else z) / temperature
+    z = (z.float() if z.dtype in (torch.bfloat16, torch.float16) else z) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
     log_p = z.log_softmax(-1)
     valid = t != ignore_index
     lp = log_p.gather(-1, t.clamp_min(0).unsqueeze(-1)).squeeze(-1)
@@ -39,7 +45,7 @@ def torch_policy(
     kl = torch.zeros_like(lp)
     if ref is not None:
         kl = torch.exp(ref - lp) - (ref - lp) - 1
-        term = term + kl_coef * kl
+        term = term + kl_coef * (kl * ratio if kl_times_ratio else kl)
     term = term - entropy_coef * entropy
     if weights is None:
         weights = valid.to(lp.dtype) / valid.sum()
@@ -49,7 +55,7 @@ def torch_policy(
         mean(ratio),
         mean((ratio < 1 - clip_low) & (A < 0)),
         mean((ratio > 1 + clip_high) & (A > 0)),
-        mean(kl),
+        mean(kl * ratio if kl_times_ratio else kl),
         mean(entropy),
         mean(z.argmax(-1) == t),
     ]
@@ -77,6 +83,8 @@ OPTIONS = [
     dict(old=True, ref=True, kl_coef=0.04, entropy_coef=0.01, temperature=0.7),
     dict(old=True, clip_low=0.1, clip_high=0.28),  # DAPO's asymmetric clip
     dict(ref=True, kl_coef=0.1, entropy_coef=0.02, bias=True),
+    dict(old=True, ref=True, kl_coef=0.04, kl_times_ratio=True),  # TRL's use_bias_correction_kl
+    dict(old=True, entropy_coef=0.01, softcap=3.0, logit_scale=0.8, temperature=1.3),  # Gemma-, Cohere-style heads
 ]
 
 
@@ -179,6 +187,25 @@ def test_compile_fullgraph_and_opcheck(device):
     torch.testing.assert_close(got_ratio, want_ratio)
     for g, e in zip(torch.autograd.grad(got, [x, w]), torch.autograd.grad(want, [x, w])):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_runs_the_linear_in_the_autocast_dtype(device):
+    # like F.linear: float32 inputs under autocast give the loss of their bfloat16 casts, every stat included
+    x, w, t, A, old, ref = rl_problem(device, N=128, D=32, V=300, dtype=torch.float32)
+    kw = dict(old_log_probs=old.float(), ref_log_probs=ref.float(), kl_coef=0.04, entropy_coef=0.01, return_stats=True)
+    xf, wf = leaves(x, w)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss, stats = fused_ce.linear_policy_loss(xf, wf, t, A.float(), **kw)
+    gx, gw = torch.autograd.grad(loss, [xf, wf])
+    xb, wb = leaves(x.bfloat16(), w.bfloat16())
+    want, want_stats = fused_ce.linear_policy_loss(xb, wb, t, A.float(), **kw)
+    want_gx, want_gw = torch.autograd.grad(want, [xb, wb])
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(list(stats)), torch.stack(list(want_stats)), rtol=0, atol=0)
+    assert gx.dtype == torch.float32 and gw.dtype == torch.float32  # gradients in the leaves' dtypes
+    torch.testing.assert_close(gx, want_gx.float(), rtol=0, atol=0)
+    torch.testing.assert_close(gw, want_gw.float(), rtol=0, atol=0)
 
 
 def test_inputs_with_grad_and_bad_shapes_are_errors():

@@ -1,0 +1,282 @@
+"""TRL: its trainers' per-token log-probs and entropies through fused_ce, and GRPOTrainer's loss fused at 6NDV.
+
+    from fused_ce.integrations.trl import apply
+    apply()                      # before building the trainer
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)
+
+TRL (1.x) computes every trainer's per-token log-probs with a fused LM head (``trl.trainer.utils.add_fused_lm_head``:
+the model called with ``fused_lm_head=True`` returns log-probs, entropies and top-1 flags instead of logits).
+``apply()`` makes that head fused_ce's ``linear_log_probs`` (the old and reference policies without grad, the
+policy's with it: 8NDV, the logits recomputed in the backward), for every trainer that uses it (GRPO, RLOO, KTO,
+SFT's). It also replaces GRPOTrainer's loss by ``fused_ce.linear_policy_loss`` (the gradients formed in the forward:
+6NDV) where the configuration maps onto it:
+
+- ``loss_type`` "grpo", "bnpo", "dr_grpo" or "dapo" (PPO-clip with two-sided bounds ``epsilon``/``epsilon_high``;
+  each normalisation is a token weight), ``beta`` for the k3 KL against the reference's log-probs (times the ratio
+  with ``use_bias_correction_kl``, TRL's default), token-level importance sampling;
+- not under DeepSpeed ZeRO-3 (TRL's own head and loss there: ZeRO-3 re-partitions the head between forward and
+  backward), nor with: another loss type ("cispo", "sapo", "vespo", "luspo"), ``importance_sampling_level="sequence"``,
+  ``delta``, ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, vLLM's importance-sampling correction,
+  an entropy bonus, a MoE auxiliary loss, vision inputs. Those keep TRL's own loss,
+  on fused_ce's log-probs.
+
+The logged metrics are TRL's (kl, entropy, clip ratios), but for the per-sequence clip extremes
+(``clip_ratio/low_min``, ``high_max``), which the fused loss does not produce. TRL is imported on ``apply()``.
+"""
+
+import functools
+import types
+
+import torch
+
+from ..functional import linear_log_probs, linear_policy_loss
+
+_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # of TRL's FusedCausalLMOutput, what fused_ce computes
+_MAPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _head_scales(config):
+    """TRL's reading of a model's logit transform: (softcap, logit_scale)."""
+    text = config.get_text_config()
+    scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scale = text.logits_scaling if text.model_type == "hyperclovax" else 1 / text.logits_scaling
+    return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else scale
+
+
+def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",), _original=None):
+    """TRL's ``add_fused_lm_head`` with fused_ce computing the head: the same ``FusedCausalLMOutput``. TRL's original
+    does it for outputs fused_ce has not (``log_sum_sq_probs``, ``mean_logits``) and under DeepSpeed ZeRO-3.
+    Whether fused_ce's head was added."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if any(name not in _FUSED_OUTPUTS for name in outputs) or is_deepspeed_zero3_enabled():
+        # ZeRO-3 re-partitions the head between forward and backward, where linear_log_probs recomputes it
+        _original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
+        return False
+    from torch.distributed.tensor import DTensor
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    original_forward = model.forward
+    text_config = model.config.get_text_config()
+    softcap, logit_scale = _head_scales(model.config)
+    # before transformers 5, vision-language models expose their language backbone as `model` (as TRL reads it)
+    old_vlm = text_config is not model.config and int(__import__("transformers").__version__.split(".")[0]) < 5
+    backbone_name = "model" if old_vlm else "base_model"
+
+    @functools.wraps(type(model).forward)
+    def forward(
+        self,
+        *args,
+        fused_lm_head=False,
+        labels=None,
+        shift_labels=None,
+        num_items_in_batch=None,
+        fused_policy=None,
+        **kwargs,
+    ):
+        if not fused_lm_head:
+            for name, value in (
+                ("labels", labels),
+                ("shift_labels", shift_labels),
+                ("num_items_in_batch", num_items_in_batch),
+            ):
+                if value is not None:
+                    kwargs[name] = value
+            return original_forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone = getattr(self, backbone_name)(*args, **kwargs)  # looked up per call: FSDP and PEFT replace it
+        if shift_labels is None:
+            hidden, labels = backbone.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = backbone.last_hidden_state, shift_labels
+        head = self.get_output_embeddings()
+        hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered (its gradient reduce-scattered back)
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        if cast_lm_head_to_fp32:
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
+        mask = labels != -100
+        keywords = dict(linear_bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+        if fused_policy is not None:  # GRPOTrainer's loss (_compute_loss below): the policy loss over these tokens
+            loss, stats = linear_policy_loss(hidden, weight, labels, **fused_policy, **keywords, return_stats=True)
+            return FusedCausalLMOutput(loss=loss, label_mask=mask), stats
+        out = linear_log_probs(
+            hidden, weight, labels, return_entropy="entropy" in outputs, return_argmax="is_top1" in outputs, **keywords
+        )
+        log_probs = out if torch.is_tensor(out) else out.log_probs
+        entropy = None if torch.is_tensor(out) else out.entropy
+        is_top1 = None if torch.is_tensor(out) or out.argmax is None else (out.argmax == labels) & mask
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
+            aux_loss = load_balancing_loss_func(
+                backbone.router_logits, experts, text_config.num_experts_per_tok, kwargs.get("attention_mask")
+            )
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(
+            loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss
+        )
+
+    model.forward = types.MethodType(forward, model)
+    return True
+
+
+def maps_onto_policy_loss(trainer, inputs):
+    """Whether this GRPOTrainer step's loss is fused_ce.linear_policy_loss's (see the module's docstring)."""
+    args = trainer.args
+    return (
+        trainer.loss_type in _MAPPED_LOSSES
+        and trainer.importance_sampling_level == "token"
+        and args.delta is None
+        and trainer.off_policy_mask_threshold is None
+        and trainer.top_entropy_quantile >= 1.0
+        and not (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+        and not getattr(trainer, "_entropy_bonus_enabled", False)
+        and not trainer.aux_loss_enabled
+        and all(
+            inputs.get(k) is None for k in ("pixel_values", "image_grid_thw", "token_type_ids", "mm_token_type_ids")
+        )
+        and getattr(trainer, "_fused_ce_head", False)
+    )
+
+
+def _token_weights(trainer, mask, inputs):
+    """The weight of each completion token in the loss: TRL's normalisation of each loss type."""
+    mode = "train" if trainer.model.training else "eval"
+    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    mask = mask.float()
+    if trainer.loss_type == "grpo":  # the mean over sequences of each sequence's token mean
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / mask.size(0) / accumulation
+    if trainer.loss_type == "bnpo":  # the token mean over the batch
+        return mask / mask.sum().clamp(min=1.0) / accumulation
+    if trainer.loss_type == "dr_grpo":  # a constant normaliser
+        return mask / (mask.size(0) * trainer.max_completion_length) / accumulation
+    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes  # "dapo"
+    if mode == "train":
+        normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+    return mask / normalizer
+
+
+def _compute_loss(self, model, inputs, _original=None):
+    """GRPOTrainer._compute_loss through fused_ce.linear_policy_loss where it maps, else TRL's own."""
+    if not maps_onto_policy_loss(self, inputs):
+        return _original(self, model, inputs)
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    keep = completion_ids.size(1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    # the per-token inputs on the shifted labels' positions: the completion is the last `keep` of them
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-keep] = -100
+    labels = labels.masked_fill(torch.nn.functional.pad(mask, (prompt_ids.size(1), 0)) == 0, -100)
+    shifted = labels[:, 1:].size(1)
+
+    def on_labels(per_completion_token):
+        full = per_completion_token.new_zeros(input_ids.size(0), shifted)
+        full[:, -keep:] = per_completion_token
+        return full
+
+    advantages = inputs["advantages"]
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    policy = dict(
+        advantages=on_labels(advantages.expand(-1, keep).float()),
+        token_weights=on_labels(_token_weights(self, mask, inputs)),
+        old_log_probs=None if inputs.get("old_per_token_logps") is None else on_labels(inputs["old_per_token_logps"]),
+        ref_log_probs=on_labels(inputs["ref_per_token_logps"]) if self.beta != 0.0 else None,
+        clip_low=self.epsilon_low,
+        clip_high=self.epsilon_high,
+        kl_coef=self.beta,
+        kl_times_ratio=bool(getattr(self.args, "use_bias_correction_kl", False)),
+    )
+    with self.accelerator.autocast():
+        out, stats = model(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, fused_policy=policy
+        )
+    mode = "train" if self.model.training else "eval"
+    count = mask.sum().float()
+
+    def global_mean(local_mean):  # TRL's global_masked_mean from this rank's mean over its tokens
+        totals = self.accelerator.reduce(torch.stack([local_mean.detach() * count, count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if self.beta != 0.0:
+        self._metrics[mode]["kl"].append(global_mean(stats.kl))
+    self._metrics[mode]["entropy"].append(global_mean(stats.entropy))
+    self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(stats.clip_low))
+    self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(stats.clip_high))
+    self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(stats.clip_low + stats.clip_high))
+    return out.loss
+
+
+def _trl_modules(function):
+    import sys
+
+    return [
+        m
+        for n, m in list(sys.modules.items())
+        if n.startswith("trl.") and getattr(m, "add_fused_lm_head", None) is function
+    ]
+
+
+def apply():
+    """Switch TRL's fused LM head to fused_ce and GRPOTrainer's loss to fused_ce.linear_policy_loss where its
+    configuration maps onto it. Call before building the trainer; returns the patched trainer class."""
+    import trl.trainer.utils as utils
+    from trl.trainer import grpo_trainer
+
+    if hasattr(utils.add_fused_lm_head, "_fused_ce_original"):
+        return grpo_trainer.GRPOTrainer  # already switched
+    original_head = utils.add_fused_lm_head
+    head = functools.partial(add_fused_lm_head, _original=original_head)
+
+    def marked_head(model, *args, **kwargs):
+        model._fused_ce_head = head(model, *args, **kwargs)
+
+    marked_head._fused_ce_original = original_head
+    for module in _trl_modules(original_head):  # trl.trainer.utils and every trainer that imported it by name
+        module.add_fused_lm_head = marked_head
+    trainer = grpo_trainer.GRPOTrainer
+    if not hasattr(trainer._compute_loss, "_fused_ce_original"):
+        original = trainer._compute_loss
+
+        def compute_loss(self, model, inputs):
+            self._fused_ce_head = getattr(
+                self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
+                "_fused_ce_head",
+                False,
+            )
+            return _compute_loss(self, model, inputs, _original=original)
+
+        compute_loss._fused_ce_original = original
+        trainer._compute_loss = compute_loss
+    return trainer
+
+
+def restore():
+    """Undo apply(): TRL's own fused LM head and GRPO loss (models patched meanwhile keep fused_ce's head)."""
+    import trl.trainer.utils as utils
+    from trl.trainer import grpo_trainer
+
+    patched = utils.add_fused_lm_head
+    original = getattr(patched, "_fused_ce_original", None)
+    if original is not None:
+        for module in _trl_modules(patched):
+            module.add_fused_lm_head = original
+    trainer = grpo_trainer.GRPOTrainer
+    if hasattr(trainer._compute_loss, "_fused_ce_original"):
+        trainer._compute_loss = trainer._compute_loss._fused_ce_original

@@ -1,0 +1,196 @@
+"""fused_ce.integrations.trl: TRL's GRPOTrainer with fused_ce's log-probs and policy loss trains as TRL does.
+
+A tiny random Qwen2 model, a byte-level BPE tokenizer trained here, a toy reward: a few steps with TRL unpatched
+and patched give the same losses, metrics and parameters.
+"""
+
+import copy
+from typing import NamedTuple
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="needs trl (pip install trl)")
+transformers = pytest.importorskip("transformers", reason="needs transformers")
+datasets = pytest.importorskip("datasets", reason="needs datasets (trl's dependency)")
+
+from fused_ce.integrations import trl as fused_trl  # noqa: E402
+
+TEXT = "the cat sat on the mat and the dog ate the bone while the bird sang a song " * 20
+
+
+def tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([TEXT], vocab_size=300, min_frequency=1, special_tokens=["<pad>", "<eos>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<pad>", eos_token="<eos>")
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_model(tok, path, seed=0):
+    """A tiny random Qwen2 saved at path (returned)."""
+    config = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def reward_a_letters(completions, **kwargs):  # a toy reward: how many a's
+    return [float(c.count("a")) for c in completions]
+
+
+LOGGED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class Run(NamedTuple):
+    losses: list
+    metrics: list  # per logging step, what both log of LOGGED
+    parameters: dict
+    fused_head: bool  # whether the trained model's head was fused_ce's
+
+
+def train(model, tok, tmp_path, **config):
+    """A few GRPO steps from `model`, a directory (TRL loads the reference policy from it)."""
+    config.setdefault("bf16", False)  # float32 throughout: the runs agree to rounding (bf16 autocast: below)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        max_steps=3, learning_rate=5e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no",
+        **config,
+    )  # fmt: skip
+    data = datasets.Dataset.from_dict({"prompt": ["the cat", "a dog", "the bird", "on the mat"] * 3})
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=reward_a_letters, args=args, train_dataset=data, processing_class=tok
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return Run(
+        [h["loss"] for h in logs],
+        [{k: v for k, v in h.items() if k in LOGGED} for h in logs],
+        {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        getattr(trainer.model, "_fused_ce_head", False),
+    )
+
+
+def train_fused(model, tok, tmp_path, **config):
+    """train() with fused_ce.integrations.trl applied, and how often each fused_ce function ran."""
+    calls = {"linear_policy_loss": 0, "linear_log_probs": 0}
+    originals = {name: getattr(fused_trl, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        setattr(fused_trl, name, counted(name))
+    fused_trl.apply()
+    try:
+        return train(model, tok, tmp_path, **config), calls
+    finally:
+        fused_trl.restore()
+        for name, function in originals.items():
+            setattr(fused_trl, name, function)
+
+
+def assert_same_run(fused, reference, rtol=1e-4, atol=1e-5, parameters=True):
+    assert fused.fused_head and not reference.fused_head
+    torch.testing.assert_close(torch.tensor(fused.losses), torch.tensor(reference.losses), rtol=rtol, atol=atol)
+    for got, want in zip(fused.metrics, reference.metrics, strict=True):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert abs(got[k] - want[k]) <= 10 * atol + rtol * abs(want[k]), (k, got[k], want[k])
+    if parameters:
+        for name, p in reference.parameters.items():
+            torch.testing.assert_close(fused.parameters[name], p, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(loss_type="dapo", beta=0.0),
+        dict(loss_type="grpo", beta=0.04),
+        dict(loss_type="bnpo", beta=0.04, num_iterations=2),  # off-policy: old log-probs, clipped ratios
+        dict(loss_type="dr_grpo", beta=0.0, epsilon_high=0.28),
+        dict(loss_type="dapo", beta=0.04, use_bias_correction_kl=False, gradient_accumulation_steps=2),
+    ],
+    ids=["dapo", "grpo-kl", "bnpo-off-policy", "dr_grpo", "dapo-accumulated"],
+)
+def test_grpo_trains_as_trl_does(config, tmp_path):
+    tok = tokenizer()
+    model = tiny_model(tok, tmp_path / "model")
+    reference = train(model, tok, tmp_path / "trl", **config)
+    fused, calls = train_fused(model, tok, tmp_path / "fused", **config)
+    assert calls["linear_policy_loss"] > 0  # the loss went through fused_ce.linear_policy_loss
+    assert_same_run(fused, reference)
+
+
+def test_bf16_autocast_trains_as_trl_does(tmp_path):
+    # both compute the head in bfloat16 under autocast (TRL: bf16 logits tiles; fused_ce: bf16 operands, float32
+    # accumulation), so they agree to bfloat16's rounding
+    tok = tokenizer()
+    model = tiny_model(tok, tmp_path / "model")
+    config = dict(loss_type="grpo", beta=0.04, bf16=True)
+    reference = train(model, tok, tmp_path / "trl", **config)
+    fused, calls = train_fused(model, tok, tmp_path / "fused", **config)
+    assert calls["linear_policy_loss"] > 0
+    assert_same_run(fused, reference, rtol=2e-2, atol=1e-3, parameters=False)
+
+
+def test_unmapped_loss_keeps_trls_loss_on_fused_log_probs(tmp_path):
+    tok = tokenizer()
+    model = tiny_model(tok, tmp_path / "model")
+    config = dict(loss_type="cispo", beta=0.0)
+    reference = train(model, tok, tmp_path / "trl", **config)
+    fused, calls = train_fused(model, tok, tmp_path / "fused", **config)
+    assert calls["linear_policy_loss"] == 0 and calls["linear_log_probs"] > 0  # TRL's loss on fused_ce's head
+    assert_same_run(fused, reference)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mixtral", "gemma2"])
+def test_fused_head_outputs_match_trls(family, tmp_path):
+    # the head alone, against TRL's own fused head: per-token outputs, the loss, a MoE model's auxiliary loss, a
+    # softcapped head, and the gradients
+    from trl.trainer.utils import add_fused_lm_head as trls_head
+
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                            output_router_logits=True, router_aux_loss_coef=0.1)  # fmt: skip
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=3.0)
+        model = transformers.Gemma2ForCausalLM(config)
+    torch.manual_seed(0)
+    reference, fused = copy.deepcopy(model), copy.deepcopy(model)
+    outputs = ("log_probs", "entropy", "is_top1")
+    trls_head(reference, temperature=0.8, outputs=outputs)
+    assert fused_trl.add_fused_lm_head(fused, temperature=0.8, outputs=outputs, _original=trls_head)
+    ids = torch.randint(0, 300, (3, 10))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    attention = torch.ones_like(ids)
+    attention[0, :2] = 0
+    got = fused(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True)
+    want = reference(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True)
+    for name in ("log_probs", "entropy", "loss", "aux_loss"):
+        if getattr(want, name) is None:
+            assert getattr(got, name) is None, name
+            continue
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.equal(got.is_top1, want.is_top1) and torch.equal(got.label_mask, want.label_mask)
+    (got.loss + got.entropy.sum()).backward()
+    (want.loss + want.entropy.sum()).backward()
+    for (name, p), q in zip(fused.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
