@@ -17,6 +17,7 @@ SHAPES = {  # name: (N, D, V)
     "A": (16384, 4096, 128256),  # Llama-3 8B
     "B": (8192, 2304, 256000),  # Gemma-2 2B
     "C": (4096, 4096, 128256),
+    "Q": (98304, 1024, 151936),  # a GRPO batch of examples/grpo.py: 512 sequences of 192 tokens, Qwen2's vocabulary
 }
 PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
 

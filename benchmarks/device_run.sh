@@ -3,7 +3,8 @@
 #   [SKIP_BUILD=1] [SKIP_TESTS=1] [ALONGSIDE=command] [SANITIZE=1|memcheck|racecheck] [FEATURES=1] [TUNE_GEMM=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [HF_EXAMPLE=1] \
 #   [SKIP_BENCH=1] [WHEEL=1 (dist/*.whl carried: test it instead of building)] \
 #   [WHEELS=1 (.wheels/before/*.whl and .wheels/after/*.whl carried, built elsewhere against this torch: the CUDA
-#    tests on "after", then each line of $RUNS, "label|before or after|script and arguments", timed)] \
+#    tests on "after", then each line of $RUNS, "label|before or after (or sets joined by +)|script and arguments",
+#    timed (TESTS: pytest's arguments, TESTS_K its -k); other sets of wheels in .wheels/NAME/ go to their own site, NAME in $RUNS)] \
 #     bash benchmarks/device_run.sh [bench.py arguments]
 # TP (two GPUs; the test suite has the NCCL test): the tensor-parallel example and benchmarks/bench_tp.py.
 # SANITIZE: compute-sanitizer memcheck and racecheck over CUDA tests (cuBLAS's kernels report hazards of their
@@ -32,24 +33,26 @@ fi
 if [ -n "${WHEELS:-}" ]; then
   # Two wheels built on the CPU machine against this machine's torch (no build here): the tests run on "after"
   # from outside the source tree, then each run of $RUNS with the wheel it names.
-  for which in before after; do
-    ls .wheels/$which/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index --target /tmp/site_$which .wheels/$which/*.whl
+  for dir in .wheels/*/; do  # before, after, and any other set (a peer's other version) in its own site
+    which=$(basename "$dir")
+    ls "$dir"*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index --target /tmp/site_$which "$dir"*.whl
   done
   repo=$(pwd)
   start=$(date +%s)
   if [ -z "${SKIP_TESTS:-}" ]; then
     (cd /tmp && PYTHONPATH=/tmp/site_after:${PYTHONPATH:-} timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
-      ${TESTS:--m cuda $repo/tests} 2>&1 | tee "$OUT/tests_after.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -15)
+      ${TESTS:--m cuda $repo/tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests_after.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -15)
     echo "tests: $(( $(date +%s) - start )) s"
   fi
   IFS=';' read -ra runs <<< "${RUNS:-}"
   for run in "${runs[@]}"; do
     IFS='|' read -r label which command <<< "$run"
     [ -n "$label" ] || continue
+    sites=$(echo "$which" | sed 's|\([^+]*\)|/tmp/site_\1|g; s|+|:|g')  # "trl114+after": both, the first first
     echo "== $label ($which): $command"
     mkdir -p /tmp/results/$label
-    (cd benchmarks && PYTHONPATH=/tmp/site_$which:${PYTHONPATH:-} timeout "${RUN_TIMEOUT:-240}" python3 $command --out /tmp/results/$label 2>&1 \
-      | tee /tmp/results/$label/run.log | grep -E "^\| |^fused_ce|first call|out of memory|Error" | tail -"${RUN_TAIL:-12}")
+    (cd benchmarks && PYTHONPATH=$sites:${PYTHONPATH:-} timeout "${RUN_TIMEOUT:-240}" python3 $command --out /tmp/results/$label 2>&1 \
+      | tee /tmp/results/$label/run.log | grep -E "^\| |^fused_ce|batch +[0-9]+: |first call|out of memory|Error" | tail -"${RUN_TAIL:-12}")
   done
   # (a few files come back from $OUT: every run's results in one archive)
   tar czf "$OUT/results.tgz" -C /tmp/results . 2>/dev/null

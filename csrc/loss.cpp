@@ -82,7 +82,9 @@ at::Tensor shaped_loss(const Problem& run, const LossOptions& o, const Plan& pla
 // The ops' per-row outputs: the lse shaped like the target, the entropy (0 at ignored rows) and the argmax (-1
 // there) where asked for, else empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const Problem& p, const RowStats& s, at::IntArrayRef shape) {
-  const at::Tensor counted = p.target.ge(0);
+  if (!s.entropy.defined() && !s.argmax.defined())
+    return {s.lse.reshape(shape), at::empty({0}, s.lse.options()), at::empty({0}, p.target.options())};
+  const at::Tensor counted = p.target.ge(0);  // (only then: an ATen kernel, whose first launch costs milliseconds)
   const at::Tensor entropy = s.entropy.defined()
                                  ? at::where(counted, s.entropy, at::zeros({}, s.entropy.options())).reshape(shape)
                                  : at::empty({0}, s.lse.options());

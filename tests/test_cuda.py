@@ -76,8 +76,9 @@ def test_scalar_loss_step_runs_no_aten_kernels(dtype):
     # The per-row bookkeeping (targets, weights, coefficients, the loss) is done by
     # our own kernels: each ATen kernel's first launch in a process costs
     # milliseconds, which made the op's first call several times slower than
-    # the next (benchmarks/NOTES.md). Only our kernels, cuBLAS and copies remain.
-    x, w, t, _ = make_problem(1000, 256, 3000, dtype=dtype, device="cuda")
+    # the next (benchmarks/NOTES.md). Only our kernels, cuBLAS and copies remain; with ignored rows, also the
+    # gather of the counted rows and the scatter of their gradient (Plan.counted_rows_only).
+    x, w, t, _ = make_problem(1000, 256, 3000, dtype=dtype, device="cuda", ignore_frac=0.0)
     x.requires_grad_()
     w.requires_grad_()
     one = torch.ones((), device="cuda")
@@ -85,6 +86,15 @@ def test_scalar_loss_step_runs_no_aten_kernels(dtype):
     x.grad = w.grad = None
     names = kernel_names(lambda: fused_ce.linear_cross_entropy(x, w, t).backward(one))
     assert not [n for n in names if "at::native" in n], sorted(names)
+    masked = t.clone()
+    masked[:300] = -100
+    assert fused_ce.plan(x, w, masked, pass_="forward_with_grad").counted_rows_only
+    fused_ce.linear_cross_entropy(x, w, masked).backward(one)
+    x.grad = w.grad = None
+    with_ignored = kernel_names(lambda: fused_ce.linear_cross_entropy(x, w, masked).backward(one))
+    rows_moved = ("gather", "index_copy", "index_select", "scatter", "TensorAssign", "fill")
+    other = [n for n in with_ignored if "at::native" in n and not any(k in n for k in rows_moved)]
+    assert not other, sorted(other)
     for kernel in (
         "prepare_rows_kernel",
         "logit_partials_kernel",
@@ -186,7 +196,7 @@ def test_float16_scaled_logits_over_blocks(reduction):
 
 FALLBACK_CHECK = r"""
 import sys, torch, fused_ce
-sys.path.insert(0, "tests")
+sys.path.insert(0, sys.argv[1])
 from reference import make_problem, reference_loss, rel_err
 x, w, t, b = make_problem(300, 96, 1000, dtype=torch.bfloat16, device="cuda", bias=True)
 leaves = [v.clone().requires_grad_() for v in (x, w, b)]
@@ -213,8 +223,9 @@ print("ok")
 def test_aten_fallback_on_cuda():
     # The path taken on devices without a fitting cubin, forced here with FUSED_CE_DISABLE_KERNELS.
     env = dict(os.environ, FUSED_CE_DISABLE_KERNELS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", FALLBACK_CHECK], capture_output=True, text=True, env=env, cwd=root)
+    tests = os.path.dirname(os.path.abspath(__file__))  # (the cwd: the installed fused_ce, not a source tree's)
+    out = subprocess.run([sys.executable, "-c", FALLBACK_CHECK, tests], capture_output=True, text=True, env=env,
+                         cwd=tests)  # fmt: skip
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 

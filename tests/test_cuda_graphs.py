@@ -56,8 +56,15 @@ def test_capture_and_replay_match_eager():
         ts.copy_(t)
         graph.replay()
         expected = eager_step(x, w, t)
+        # eager computes the counted rows only (Plan.counted_rows_only), the capture every row (their count is
+        # data): the same values, rounded apart in bfloat16 (stale inputs would be O(1) off)
         for got, want in zip((loss, xs.grad, ws.grad), expected):
-            assert rel_err(got.float(), want.float()) < 1e-6, (seed, rel_err(got.float(), want.float()))
+            assert rel_err(got.float(), want.float()) < 1e-3, (seed, rel_err(got.float(), want.float()))
+    every_row_counted = torch.randint(0, V, ts.shape, device="cuda")  # the same path both ways: equal
+    ts.copy_(every_row_counted)
+    graph.replay()
+    for got, want in zip((loss, xs.grad, ws.grad), eager_step(xs.detach(), ws.detach(), every_row_counted)):
+        assert rel_err(got.float(), want.float()) < 1e-6, rel_err(got.float(), want.float())
 
 
 def test_bad_index_under_replay_is_nan_then_an_error():

@@ -4,12 +4,12 @@
     apply()                      # before building the trainer
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)
 
-TRL (1.x) computes every trainer's per-token log-probs with a fused LM head (``trl.trainer.utils.add_fused_lm_head``:
-the model called with ``fused_lm_head=True`` returns log-probs, entropies and top-1 flags instead of logits).
-``apply()`` makes that head fused_ce's ``linear_log_probs`` (the old and reference policies without grad, the
-policy's with it: 8NDV, the logits recomputed in the backward), for every trainer that uses it (GRPO, RLOO, KTO,
-SFT's). It also replaces GRPOTrainer's loss by ``fused_ce.linear_policy_loss`` (the gradients formed in the forward:
-6NDV) where the configuration maps onto it:
+TRL (1.15 and later) computes every trainer's per-token log-probs with a fused LM head
+(``trl.trainer.utils.add_fused_lm_head``: the model called with ``fused_lm_head=True`` returns log-probs, entropies
+and top-1 flags instead of logits). ``apply()`` makes that head fused_ce's ``linear_log_probs`` (the old and reference
+policies without grad, the policy's with it: 8NDV, the logits recomputed in the backward), for every trainer that
+uses it (GRPO, RLOO, KTO, SFT's). It also replaces GRPOTrainer's loss by ``fused_ce.linear_policy_loss`` (the
+gradients formed in the forward: 6NDV) where the configuration maps onto it:
 
 - ``loss_type`` "grpo", "bnpo", "dr_grpo" or "dapo" (PPO-clip with two-sided bounds ``epsilon``/``epsilon_high``;
   each normalisation is a token weight), ``beta`` for the k3 KL against the reference's log-probs (times the ratio
@@ -236,9 +236,15 @@ def _trl_modules(function):
 def apply():
     """Switch TRL's fused LM head to fused_ce and GRPOTrainer's loss to fused_ce.linear_policy_loss where its
     configuration maps onto it. Call before building the trainer; returns the patched trainer class."""
+    import trl
     import trl.trainer.utils as utils
     from trl.trainer import grpo_trainer
 
+    if not hasattr(utils, "add_fused_lm_head"):
+        raise ImportError(
+            f"fused_ce.integrations.trl needs trl >= 1.15 (its fused LM head, trl.trainer.utils.add_fused_lm_head); "
+            f"found trl {trl.__version__}: pip install -U trl"
+        )
     if hasattr(utils.add_fused_lm_head, "_fused_ce_original"):
         return grpo_trainer.GRPOTrainer  # already switched
     original_head = utils.add_fused_lm_head
@@ -272,7 +278,7 @@ def restore():
     import trl.trainer.utils as utils
     from trl.trainer import grpo_trainer
 
-    patched = utils.add_fused_lm_head
+    patched = getattr(utils, "add_fused_lm_head", None)
     original = getattr(patched, "_fused_ce_original", None)
     if original is not None:
         for module in _trl_modules(patched):
