@@ -97,6 +97,16 @@ def _full(t):
     return t.full_tensor() if _is_dtensor(t) else t
 
 
+# What a weight sharded by FSDP2 (or partitioned by DeepSpeed ZeRO-3) needs: the loss computed where the engine
+# has gathered it, inside its module's call.
+FSDP2_FIX = (
+    "A weight sharded by FSDP2 (fully_shard) is whole only inside its module's forward: for a Hugging Face model, "
+    "fused_ce.integrations.transformers.apply(model) routes the loss through the head's own call; for a module "
+    "of yours, compute the loss in its forward or in a method registered with "
+    "torch.distributed.fsdp.register_fsdp_forward_method(module, name)."
+)
+
+
 def resolve(input, linear_weight, target, linear_bias, weight, process_group, vocab_start):
     """The op's arguments for a vocabulary-parallel call: local tensors and (group name, vocab_start, shards).
 
@@ -111,17 +121,14 @@ def resolve(input, linear_weight, target, linear_bias, weight, process_group, vo
         if mesh.ndim != 1 or placements != (Shard(0),):
             raise ValueError(
                 f"fused_ce: linear_weight is a DTensor placed {placements} on a {mesh.ndim}-D mesh; a vocabulary-"
-                "parallel weight is placed Shard(0) on a 1-D tensor-parallel mesh. A weight sharded by FSDP2 "
-                "(fully_shard) must be used inside the sharded module's forward, where FSDP2 has gathered it "
-                "(call the loss from that module's forward or register it with register_fsdp_forward_method)"
+                "parallel weight is placed Shard(0) on a 1-D tensor-parallel mesh. " + FSDP2_FIX
             )
         if not _is_dtensor(input) or input.device_mesh != mesh:
             raise ValueError(
                 "fused_ce: linear_weight is a DTensor placed Shard(0) but input is not a DTensor on the same mesh. "
-                "If the weight is sharded by FSDP2 (fully_shard), call the loss inside the sharded module's forward "
-                "(or register_fsdp_forward_method), where the weight is whole; if it is a tensor-parallel "
-                "vocabulary shard, pass input as a DTensor on its mesh (Replicate() or sequence-sharded) or pass "
-                "linear_weight.to_local() with process_group="
+                + FSDP2_FIX
+                + " If it is a tensor-parallel vocabulary shard, pass input as a DTensor on its mesh (Replicate() or "
+                "sequence-sharded) or pass linear_weight.to_local() with process_group="
             )
         (input_placement,) = input.placements
         if isinstance(input_placement, Partial):

@@ -127,12 +127,13 @@ class HeadLogits:
 
     @property
     def vocab_size(self):
-        rows = self.head.weight.shape[0]
+        weight = self.head.weight
+        rows = getattr(weight, "ds_shape", weight.shape)[0]  # (DeepSpeed ZeRO-3: a partitioned weight's own shape)
         return rows if self.vocab is None else min(rows, self.vocab)
 
-    def loss_arguments(self):
-        """(weight, bias, softcap, logit_scale) of fused_ce's loss: a * tanh(b * raw) is softcap a at scale a * b."""
-        weight, bias = self.head.weight, self.head.bias
+    def loss_arguments(self, weight, bias):
+        """(weight, bias, softcap, logit_scale) of fused_ce's loss from the head's (whole) weight and bias:
+        a * tanh(b * raw) is softcap a at scale a * b."""
         if self.vocab is not None and self.vocab < weight.shape[0]:
             weight = weight[: self.vocab]
             bias = None if bias is None else bias[: self.vocab]
@@ -141,13 +142,74 @@ class HeadLogits:
         return weight, bias, self.post_scale, self.post_scale * self.pre_scale
 
 
+def _is_linear(module):
+    # FSDP2's fully_shard swaps a module's class for a subclass of it (FSDPLinear): still a plain nn.Linear
+    return type(module) is nn.Linear or (type(module).__name__ == f"FSDP{nn.Linear.__name__}" and
+                                          isinstance(module, nn.Linear))  # fmt: skip
+
+
+def _lora_of(head):
+    """PEFT's LoRA layer wrapping an nn.Linear head (LoRA on the lm_head), else None."""
+    base = getattr(head, "base_layer", None)
+    if base is None or not _is_linear(base) or not hasattr(head, "lora_A") or not hasattr(head, "scaling"):
+        return None
+    return head
+
+
 def _head_of(model, name):
     head = getattr(model, name)
-    if type(head) is not nn.Linear:
+    if not _is_linear(head) and _lora_of(head) is None:
         raise Refused(
-            f"fused_ce: {type(model).__name__}.{name} is a {type(head).__name__}, not an nn.Linear: its own forward "
-            "would be skipped; use the model unpatched"
+            f"fused_ce: {type(model).__name__}.{name} is a {type(head).__name__}, not an nn.Linear (nor PEFT's LoRA "
+            "layer on one): its own forward would be skipped; use the model unpatched"
         )
+    return head
+
+
+def _lora_weight(head):
+    """The weight and bias of a LoRA head's logits, W + sum_a scale_a * B_a A_a (differentiable in A and B), or
+    Refused where its logits are not those of one linear map (dropout on the adapter's input while training,
+    DoRA, an adapter bias)."""
+    base = head.base_layer
+    weight, bias = base.weight, base.bias
+    if getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
+        return weight, bias  # the adapters are off, or already in the base weight
+    for adapter in head.active_adapters:
+        if adapter not in head.lora_A:
+            continue
+        dropout = head.lora_dropout[adapter]
+        if head.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            raise Refused(
+                f"fused_ce: the LoRA adapter {adapter!r} on the lm_head has dropout {dropout.p} on its input: its "
+                "logits are not one linear map of the hidden states; set lora_dropout=0 (or leave the lm_head out "
+                "of target_modules)"
+            )
+        if getattr(head, "use_dora", {}).get(adapter, False) or getattr(head, "lora_bias", {}).get(adapter, False):
+            raise Refused(f"fused_ce: the LoRA adapter {adapter!r} on the lm_head uses DoRA or a bias: not fused")
+        a, b = head.lora_A[adapter].weight, head.lora_B[adapter].weight
+        weight = weight + head.scaling[adapter] * (b @ a).to(weight.dtype)
+    return weight, bias
+
+
+# The head is called through its module (hooks and all) with this keyword: FSDP2 (root, per layer, or the head
+# apart), DeepSpeed ZeRO-3 and DDP gather, reshard and reduce its weight as for its own forward.
+_LOSS_KEYWORD = "_fused_ce_loss"
+
+
+def _head_forward(self, input, **kwargs):
+    """The forward of a head switched to fused_ce: its own without the keyword, else the loss the keyword holds
+    (called with the head, whose weight its engine has gathered now, and the head's input)."""
+    loss = kwargs.pop(_LOSS_KEYWORD, None)
+    if loss is None:
+        return self._fused_ce_own_forward(input, **kwargs)
+    return loss(self, input)
+
+
+def _route_through(head):
+    """Give the head the forward above (once; its class untouched)."""
+    if getattr(head, "_fused_ce_own_forward", None) is None:
+        head._fused_ce_own_forward = head.forward
+        head.forward = types.MethodType(_head_forward, head)
     return head
 
 
@@ -193,16 +255,16 @@ def _fce_loss(model, *args, **kwargs):
     bound = dict(zip(names, args), **kwargs)
     logits, labels = bound.pop("logits"), bound.pop("labels")
     bound.pop("vocab_size", None)
-    weight, bias, softcap, logit_scale = logits.loss_arguments()
-    return ForCausalLMLoss(
-        logits.hidden,
-        weight,
-        labels,
-        final_logit_softcapping=softcap,
-        lm_head_bias=bias,
-        logit_scale=logit_scale,
-        **bound,
-    )
+
+    def loss(head, hidden):  # inside the head's call: its weight whole
+        weight, bias = _lora_weight(head) if _lora_of(head) is not None else (head.weight, head.bias)
+        weight, bias, softcap, logit_scale = logits.loss_arguments(weight, bias)
+        return ForCausalLMLoss(
+            hidden, weight, labels, final_logit_softcapping=softcap, lm_head_bias=bias, logit_scale=logit_scale,
+            **bound,
+        )  # fmt: skip
+
+    return _route_through(logits.head)(logits.hidden, **{_LOSS_KEYWORD: loss})
 
 
 class _Rewriter(ast.NodeTransformer):
@@ -484,9 +546,17 @@ def _fused_forward(cls):
     return forward
 
 
+def _unwrapped(model):
+    """The causal LM inside a PEFT model (get_peft_model's PeftModelForCausalLM), else model."""
+    if not isinstance(model, type) and hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
 def check(model_or_class):
     """Raises Refused (a TypeError) saying why fused_ce cannot reproduce this causal LM's head, else returns its
     head's attribute name (e.g. "lm_head")."""
+    model_or_class = _unwrapped(model_or_class)
     cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise Refused(f"fused_ce: {cls.__name__} is not a model (an nn.Module class) of transformers")
@@ -526,11 +596,16 @@ def _check_head_construction(cls, head):
 def apply(model):
     """Switch a causal LM to fused_ce's loss, in place, and return it.
 
-    ``model``: an instance (only it is switched), a class (every instance), or a family name from ``FAMILIES``.
+    ``model``: an instance (only it is switched), a class (every instance), or a family name from ``FAMILIES``;
+    a PEFT model (``get_peft_model``) is switched inside (LoRA adapters anywhere, the lm_head's included).
     Raises ``Refused`` (a TypeError) naming what the model's forward does that fused_ce cannot reproduce.
     """
     if isinstance(model, str):
         model = _model_class(model)
+    base = _unwrapped(model)
+    if base is not model:  # a PEFT model: its causal LM is switched (LoRA on the lm_head too)
+        apply(base)
+        return model
     check(model)
     cls = model if isinstance(model, type) else type(model)
     current = cls.forward if isinstance(model, type) else model.forward
