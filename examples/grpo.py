@@ -17,8 +17,11 @@ the part that is not generation), tokens/s and peak memory; a PNG plots them. Re
 """
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -191,6 +194,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="per batch, the first a warm-up (%(default)s)")
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (%(default)s)")
     parser.add_argument("--loss-type", default="dapo", help="%(default)s (TRL's default)")
+    parser.add_argument("--profile", action="store_true", help="cProfile each run: profile_<setting>_<batch>.txt")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "grpo"))
     args = parser.parse_args()
     settings = [s for s in args.settings.split(",") if s]
@@ -213,7 +217,17 @@ def main():
         for setting in settings:
             fitted = None
             for batch in (int(b) for b in args.batches.split(",")):
+                profiler = cProfile.Profile() if args.profile else None
+                if profiler:
+                    profiler.enable()
                 result = run(setting, batch, args, model_path, tokenizer)
+                if profiler:
+                    profiler.disable()
+                    text = io.StringIO()
+                    stats = pstats.Stats(profiler, stream=text)
+                    stats.sort_stats("cumulative").print_stats(80)
+                    stats.sort_stats("tottime").print_stats(30)
+                    (Path(args.out) / f"profile_{setting}_{batch}.txt").write_text(text.getvalue())
                 status = "out of memory" if result is None else (
                     f"{result['step_s'] * 1e3:.0f} ms/step ({result['train_s'] * 1e3:.0f} ms training), "
                     f"{result['peak_gib']:.1f} GiB")  # fmt: skip

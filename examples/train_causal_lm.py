@@ -4,6 +4,8 @@
     python examples/train_causal_lm.py                      # CPU: 40 steps of a small model, about 2 minutes
     python examples/train_causal_lm.py --sft                # the same, the first part of every sequence a prompt
     python examples/train_causal_lm.py --device cuda --vocab 128256 --seq 4096 --find-max-batch
+    torchrun --nproc_per_node 2 examples/train_causal_lm.py --fsdp --device cuda --vocab 128256 --dim 2048 \
+        --layers 16 --seq 4096 --batch 2 --steps 20 --find-max-batch   # FSDP2, a ~1.5B Llama, two GPUs
 
 The text is the Python standard library's own sources (on every machine, no download), tokenised with a
 byte-level BPE tokenizer trained on them by the `tokenizers` library. The same model (same initialisation,
@@ -13,6 +15,9 @@ end a table (tokens/s, peak memory, final loss) and a PNG of both loss curves (w
 `--find-max-batch` also finds the largest batch that fits each way: the memory headroom as a user sees it.
 `--sft` trains as supervised fine-tuning does: each sequence begins with a prompt (30-70% of it, at random)
 whose labels are -100, so the loss counts the response only (fused_ce then computes the response rows only).
+`--fsdp` (under torchrun) trains data-parallel with FSDP2 as torchtitan shards a Llama: each decoder layer, the
+lm_head apart, then the root (bf16 parameters, float32 gradient reduction on a GPU); --batch is per rank, tokens/s
+the ranks' total, peak memory the largest rank's.
 Results go to --out (examples/results/ by default, ignored by git).
 """
 
@@ -100,31 +105,69 @@ def peak_memory_mib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process's, so the larger of both
 
 
+def rank_and_world():
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def shard(model, device):
+    """FSDP2 as torchtitan wraps a Llama: each decoder layer, the lm_head apart, the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {}
+    if device == "cuda":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model.lm_head, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def all_ranks(value, op):
+    """value reduced over the ranks (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor(float(value), device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
 def train(name, model, ids, args, device):
+    import torch.distributed as dist
     from tqdm import tqdm
 
+    rank, world = rank_and_world()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, tokens, start = [], 0, time.perf_counter()
-    bar = tqdm(batches(ids, args.batch, args.seq, args.steps, args.sft), total=args.steps, desc=name, leave=True)
+    steps = batches(ids, args.batch, args.seq, args.steps, args.sft, seed=rank)  # each rank its own sequences
+    bar = tqdm(steps, total=args.steps, desc=name, leave=True, disable=rank != 0)
     for step, (x, labels) in enumerate(bar):
         x, labels = x.to(device), labels.to(device)
         loss = model(input_ids=x, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        tokens += x.numel()
+        losses.append(all_ranks(loss.item(), dist.ReduceOp.SUM) / world)
+        tokens += x.numel() * world
         if step % 10 == 0 or step == args.steps - 1:
             rate = tokens / (time.perf_counter() - start)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", peak_mib=f"{peak_memory_mib(device):,.0f}")
     elapsed = time.perf_counter() - start
-    return dict(method=name, losses=losses, tokens_per_s=tokens / elapsed, peak_mib=peak_memory_mib(device))
+    peak = all_ranks(peak_memory_mib(device), dist.ReduceOp.MAX)
+    return dict(method=name, losses=losses, tokens_per_s=tokens / elapsed, peak_mib=peak)
 
 
 def fits(make, batch, args, device):
-    """Whether one training step at this batch fits in the GPU's memory."""
+    """Whether one training step at this batch fits in the GPU's memory (on every rank: they run alike, so each
+    reaches an out-of-memory error at the same allocation, before the collective that would wait for it)."""
+    import torch.distributed as dist
+
     model = make()
     try:
         x, labels = next(
@@ -132,12 +175,13 @@ def fits(make, batch, args, device):
         )
         model(input_ids=x.to(device), labels=labels.to(device)).loss.backward()
         torch.cuda.synchronize()
-        return True
+        fitted = True
     except torch.cuda.OutOfMemoryError:
-        return False
+        fitted = False
     finally:
         del model
         torch.cuda.empty_cache()
+    return bool(all_ranks(fitted, dist.ReduceOp.MIN))
 
 
 def max_batch(make, args, device):
@@ -165,6 +209,7 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--sft", action="store_true", help="prompt-masked labels: the loss counts responses only")
     parser.add_argument("--find-max-batch", action="store_true", help="GPU: the largest batch that fits each way")
+    parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2, per layer and the lm_head apart")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="table and plot go here")
     args = parser.parse_args()
 
@@ -172,23 +217,48 @@ def main():
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.fsdp:
+        import os
+
+        import torch.distributed as dist
+
+        if "LOCAL_RANK" not in os.environ:
+            sys.exit("--fsdp runs under torchrun: torchrun --nproc_per_node N examples/train_causal_lm.py --fsdp ...")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        dtype = torch.float32  # (FSDP2's policy computes in bf16 on a GPU; the parameters it keeps stay float32)
+    rank, world = rank_and_world()
     ids, learned = tokenize(args.vocab, int(args.corpus_mib * 2**20))
     # A small corpus learns fewer merges than asked for; the model keeps the size asked for (its unused rows
     # are like Llama 3's reserved tokens), so the output layer has the shape being measured.
     vocab = max(learned, args.vocab)
-    print(
-        f"corpus: {len(ids):,} tokens, BPE vocabulary {learned:,}, model vocabulary {vocab:,}; model dim {args.dim}, "
-        f"{args.layers} layers, seq {args.seq}, batch {args.batch}, {device} {dtype}"
-        + (", prompt-masked (SFT)" if args.sft else "")
-    )
-    base = make_model(vocab, args, device, dtype)
-    runs = [train("transformers", copy.deepcopy(base), ids, args, device)]
-    runs.append(train("fused_ce", apply(copy.deepcopy(base)), ids, args, device))
-    if args.find_max_batch and device == "cuda":
+    if rank == 0:
+        print(
+            f"corpus: {len(ids):,} tokens, BPE vocabulary {learned:,}, model vocabulary {vocab:,}; model dim "
+            f"{args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, {device} {dtype}"
+            + (", prompt-masked (SFT)" if args.sft else "")
+            + (f", FSDP2 on {world} ranks (per layer, the lm_head apart)" if args.fsdp else "")
+        )
+
+    def build(patch):
+        model = patch(make_model(vocab, args, device, dtype))
+        return shard(model, device) if args.fsdp else model
+
+    if args.fsdp:  # each run builds and shards its own model (the same initialisation)
+        runs = [train(name, build(patch), ids, args, device) for name, patch in (("transformers", lambda m: m),
+                                                                                 ("fused_ce", apply))]  # fmt: skip
+    else:
+        base = make_model(vocab, args, device, dtype)
+        runs = [train("transformers", copy.deepcopy(base), ids, args, device)]
+        runs.append(train("fused_ce", apply(copy.deepcopy(base)), ids, args, device))
         del base
+    if args.find_max_batch and device == "cuda":
         torch.cuda.empty_cache()
         for run, patch in zip(runs, (lambda m: m, apply)):
-            run["max_batch"] = max_batch(lambda p=patch: p(make_model(vocab, args, device, dtype)), args, device)
+            run["max_batch"] = max_batch(lambda p=patch: build(p), args, device)
+    if rank != 0:
+        return
 
     table = [
         "| method | tokens/s | peak memory MiB | final loss (mean of last 10) |"
@@ -207,11 +277,12 @@ def main():
         f"{len(ids):,} tokens, model vocabulary {vocab:,}, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
         f"batch {args.batch}, {args.steps} steps, {dtype}"
         + (", prompt-masked (SFT: 30-70% of each sequence)" if args.sft else "")
+        + (f", FSDP2 on {world} ranks (batch and peak memory per rank)" if args.fsdp else "")
     )
     print("\n" + header + "\n\n" + "\n".join(table))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"train_causal_lm_{device}{'_sft' if args.sft else ''}"
+    name = f"train_causal_lm_{device}{'_sft' if args.sft else ''}{f'_fsdp{world}' if args.fsdp else ''}"
     (out / f"{name}.md").write_text(header + "\n\n" + "\n".join(table) + "\n")
     plot(runs, out / f"{name}.png", args)
 
