@@ -11,7 +11,8 @@ TRL 1.0 to 1.12; 1.13 dropped it, so run that setting with such a TRL), and fuse
 linear_policy_loss). The model is a small Qwen2 (--layers of --hidden) under the real vocabulary, so the
 lm_head is a large part of the work; prompts are random token strings, completions run to
 --completion-length (a random model rarely stops), the reward is a toy. Each setting runs at each batch of
---batches (prompts × generations, doubling until out of memory), --steps steps each; the first step warms up.
+--batches (prompts × generations, until one is out of memory), --steps steps each, each run in a process of its
+own (none inherits another's warm-up); the first step warms up and is not counted.
 The table gives, at the largest batch each setting fits, the time per training step (generation included, and
 the part that is not generation), tokens/s and peak memory; a PNG plots them. Results go to --out.
 """
@@ -22,6 +23,7 @@ import gc
 import io
 import json
 import pstats
+import subprocess
 import sys
 import tempfile
 import time
@@ -153,6 +155,31 @@ def run(setting, batch, args, model_path, tokenizer):
                 train_tokens_per_s=tokens / (step - generation), peak_gib=peak)  # fmt: skip
 
 
+def one_run(setting, batch, args, model_path):
+    """run() in this process (the child of main's loop), cProfiled with --profile."""
+    tokenizer = transformers_tokenizer(model_path)
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    result = run(setting, batch, args, model_path, tokenizer)
+    if profiler:
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(80)
+        stats.sort_stats("tottime").print_stats(30)
+        (Path(args.out) / f"profile_{setting}_{batch}.txt").write_text(text.getvalue())
+    return result
+
+
+def transformers_tokenizer(path):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
 def plot(best, out):
     try:
         import matplotlib
@@ -196,7 +223,12 @@ def main():
     parser.add_argument("--loss-type", default="dapo", help="%(default)s (TRL's default)")
     parser.add_argument("--profile", action="store_true", help="cProfile each run: profile_<setting>_<batch>.txt")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "grpo"))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # "setting:batch:model path": one run, in this process
     args = parser.parse_args()
+    if args.one:
+        setting, batch, model_path = args.one.split(":", 2)
+        print("RESULT " + json.dumps(one_run(setting, int(batch), args, model_path)))
+        return
     settings = [s for s in args.settings.split(",") if s]
     unknown = set(settings) - set(SETTINGS)
     if unknown:
@@ -217,17 +249,14 @@ def main():
         for setting in settings:
             fitted = None
             for batch in (int(b) for b in args.batches.split(",")):
-                profiler = cProfile.Profile() if args.profile else None
-                if profiler:
-                    profiler.enable()
-                result = run(setting, batch, args, model_path, tokenizer)
-                if profiler:
-                    profiler.disable()
-                    text = io.StringIO()
-                    stats = pstats.Stats(profiler, stream=text)
-                    stats.sort_stats("cumulative").print_stats(80)
-                    stats.sort_stats("tottime").print_stats(30)
-                    (Path(args.out) / f"profile_{setting}_{batch}.txt").write_text(text.getvalue())
+                # each run in a process of its own: none inherits another's warm-up (kernels loaded, cuBLAS's
+                # and the allocator's state), whatever the order
+                child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one",
+                                        f"{setting}:{batch}:{model_path}"], capture_output=True, text=True)  # fmt: skip
+                lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+                if child.returncode != 0 or not lines:
+                    sys.exit(f"{setting} at batch {batch} failed:\n{child.stderr[-3000:]}")
+                result = json.loads(lines[-1][len("RESULT ") :])
                 status = "out of memory" if result is None else (
                     f"{result['step_s'] * 1e3:.0f} ms/step ({result['train_s'] * 1e3:.0f} ms training), "
                     f"{result['peak_gib']:.1f} GiB")  # fmt: skip
