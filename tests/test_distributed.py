@@ -137,6 +137,41 @@ def test_every_keyword_matches_one_process(world, sizes, order):
     spawn(check_every_keyword, world, sizes, order)
 
 
+def check_policy_loss(rank, world):
+    # linear_policy_loss on a vocabulary shard: loss, stats, dX and this rank's dW rows as in one process
+    x, w, b, _, t = problem(dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    adv = torch.randn(t.shape, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        lp = fused_ce.linear_log_probs(x, w, t)
+    old = lp + 0.3 * torch.randn(t.shape, generator=g, dtype=torch.float64)
+    ref = lp + 0.2 * torch.randn(t.shape, generator=g, dtype=torch.float64)
+    sizes = [V // 3, V - V // 3][:world]  # uneven shards
+    start = sum(sizes[:rank])
+    kw = dict(old_log_probs=old, ref_log_probs=ref, kl_coef=0.05, kl_times_ratio=True, entropy_coef=0.01,
+              temperature=0.9, softcap=4.0, return_stats=True)  # fmt: skip
+    for bias in (False, True):
+        xs, ws = x.clone().requires_grad_(), w[start : start + sizes[rank]].clone().requires_grad_()
+        bs = b[start : start + sizes[rank]].clone().requires_grad_() if bias else None
+        loss, stats = fused_ce.linear_policy_loss(xs, ws, t, adv, linear_bias=bs, process_group=dist.group.WORLD,
+                                                  **kw)  # fmt: skip
+        loss.backward()
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        br = b.clone().requires_grad_() if bias else None
+        want, want_stats = fused_ce.linear_policy_loss(xr, wr, t, adv, linear_bias=br, **kw)
+        want.backward()
+        assert rel(loss, want) < 1e-12, (bias, loss, want)
+        assert rel(torch.stack(list(stats)), torch.stack(list(want_stats))) < 1e-12, (bias, stats, want_stats)
+        assert rel(xs.grad, xr.grad) < 1e-12
+        assert rel(ws.grad, wr.grad[start : start + sizes[rank]]) < 1e-12
+        if bias:
+            assert rel(bs.grad, br.grad[start : start + sizes[rank]]) < 1e-12
+
+
+def test_policy_loss_vocabulary_parallel():
+    spawn(check_policy_loss, 2)
+
+
 def check_bad_layouts(rank, world):
     x, w, b, cw, t = problem()
     with pytest.raises(ValueError, match="do not tile"):  # both ranks claim class 0
