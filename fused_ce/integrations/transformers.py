@@ -11,6 +11,10 @@ by a constant, a tanh softcap, a vocabulary slice, ``.float()``) is recorded, an
 else is the model's own code: the base model, ``logits_to_keep`` (int or tensor), a MoE router's auxiliary loss
 added to the loss, ``return_dict=False``, the outputs. Only the output's ``logits`` is None.
 
+The loss is computed inside the head module's own call (``lm_head(hidden, _fused_ce_loss=...)``), so an engine
+that manages its weight (FSDP2 however it wraps, DeepSpeed ZeRO-3, DDP) gathers, reshards and reduces it as for
+the head's forward. A PEFT model is switched inside; LoRA on the lm_head gives the logits of ``W + s * B A``.
+
 A forward that uses its logits any other way (a learned scale, a head module with a forward of its own, a
 second softcap, a loss of its own) is refused when ``apply`` is called, naming the line; so is a head that
 is not an ``nn.Linear`` (at the first call, for a class). Without labels (generation) the forward is the
