@@ -1,4 +1,4 @@
-"""Measurements behind the tile table and the optimisation log (benchmarks/NOTES.md).
+"""Measurements behind the tile table and the optimisation log (benchmarks/LOG.md).
 
     python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,gemm]
 
@@ -9,7 +9,7 @@ persistent TMA GEMM of gemm.py against torch.mm for the logits, dX and dW GEMMs
 of a row block at every shape, the first milestone of issue 13's fused GEMMs).
 Prints tables; writes tune.json to --out. The JIT specialises on integer
 arguments divisible by 16; the AOT variants declare the same only where
-fused_ce/_build/aot.py says so (NOTES.md, step 14), so check a JIT finding in
+fused_ce/_build/aot.py says so (LOG.md, step 14), so check a JIT finding in
 the pipeline with benchmarks/trace.py, which also gives the per-kernel
 breakdown of a step. The first call's cost: benchmarks/first_call.py.
 """

@@ -379,8 +379,8 @@ PolicyOutputs linear_policy_loss_autocast(
 
 // fused_ce::linear_log_probs: log softmax(softcap(logit_scale * z) / temperature)[target] per row (0 where
 // ignored), the entropy and the argmax of that distribution, as _linear_cross_entropy with reduction 'none'
-// (minus its loss): softcap(u) / T is a softcap of s / T on u / T. Composite, so autograd, torch.compile and export see the
-// op it calls.
+// (minus its loss): softcap(u) / T is a softcap of s / T on u / T. Composite, so autograd, torch.compile and export see
+// the op it calls.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_LOG_PROB_OPTIONS)
@@ -520,16 +520,14 @@ TORCH_LIBRARY_IMPL(fused_ce, AutocastCUDA, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
   m.impl("_linear_cross_entropy",
          &linear_cross_entropy_all_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
-  m.impl("linear_policy_loss",
-         &linear_policy_loss_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+  m.impl("linear_policy_loss", &linear_policy_loss_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCPU, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
   m.impl("_linear_cross_entropy",
          &linear_cross_entropy_all_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
-  m.impl("linear_policy_loss",
-         &linear_policy_loss_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+  m.impl("linear_policy_loss", &linear_policy_loss_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
 }
 
 }  // namespace fused_ce

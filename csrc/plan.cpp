@@ -100,7 +100,7 @@ double float16_grad_scale(const Problem& p, const LossOptions& o) {
 // the first. Where that traffic would cost more than one more GEMM pass over
 // N x D x V, as in lean workspaces, the gradients come from 2-D tiles instead
 // (Strategy::VocabTiles). Returns the tiles' width, 0 for row blocks.
-// Measured at 64 MiB (benchmarks/NOTES.md, step 14): tiles win at B (128-row
+// Measured at 64 MiB (benchmarks/LOG.md, step 14): tiles win at B (128-row
 // blocks) by a third, lose at A and C (256-row blocks) by ~3%; the threshold
 // is not tuned yet.
 int64_t vocab_tile_cols(const Problem& p, const ArchConstants& arch, int64_t budget, int64_t block_rows) {
@@ -158,7 +158,7 @@ void plan_dot_tile_grads(Plan& plan, const Problem& p) {
 // The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
 // more) up to kInputDtypeAccumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
 // V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
-// within 1.5x of one rounding at any N (benchmarks/NOTES.md, step 18). An explicit workspace_bytes smaller
+// within 1.5x of one rounding at any N (benchmarks/LOG.md, step 18). An explicit workspace_bytes smaller
 // than that accumulator is a lean request: it keeps the input dtype, trading dW's accuracy for memory.
 at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
   const int64_t accumulator_bytes = p.V * p.D * int64_t{4};

@@ -78,7 +78,7 @@ def test_import_does_not_import_triton():
 def test_aligned_memory_bound_kernels_vectorise(kernel):
     # Their speed is bandwidth: the aligned variants must move 16 bytes per access. A mask bound not known to
     # be a multiple of 16 (V, numel) once made every access 2 bytes in the cubins while the JIT, which
-    # specialises on divisibility itself, was fast (benchmarks/NOTES.md, step 13).
+    # specialises on divisibility itself, was fast (benchmarks/LOG.md, step 13).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU, not interpret
     code = f"from fused_ce._build import aot; print(aot.compile_kernel({kernel!r}, 'bf16', 'aligned', 90).asm['ptx'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

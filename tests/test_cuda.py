@@ -76,7 +76,7 @@ def test_scalar_loss_step_runs_no_aten_kernels(dtype):
     # The per-row bookkeeping (targets, weights, coefficients, the loss) is done by
     # our own kernels: each ATen kernel's first launch in a process costs
     # milliseconds, which made the op's first call several times slower than
-    # the next (benchmarks/NOTES.md). Only our kernels, cuBLAS and copies remain; with ignored rows, also the
+    # the next (benchmarks/LOG.md, step 10). Only our kernels, cuBLAS and copies remain; with ignored rows, also the
     # gather of the counted rows and the scatter of their gradient (Plan.counted_rows_only).
     x, w, t, _ = make_problem(1000, 256, 3000, dtype=dtype, device="cuda", ignore_frac=0.0)
     x.requires_grad_()

@@ -115,7 +115,7 @@ def test_float16_stores_scaled_logits():
 def test_lean_workspace_chooses_by_cost_model():
     # Row blocks re-read dW once per block: where that traffic costs more than one more GEMM pass, 2-D
     # vocabulary tiles instead (plan.cpp). 64 MiB: 128-row blocks at B, 256 at A: tiles for both (at A the
-    # measurements favour row blocks by ~3%: NOTES.md, step 15). 128 MiB at A: 512-row blocks, row blocks.
+    # measurements favour row blocks by ~3%: LOG.md, step 15). 128 MiB at A: 512-row blocks, row blocks.
     lean = dict(workspace_bytes=64 * MiB)
     b = fused_ce.plan(*expanded(*B, torch.bfloat16, "cuda", grad=True), **lean)
     assert (b.strategy, b.block_rows, b.stats_block_rows) == ("vocab_tiles", 2048, 128)

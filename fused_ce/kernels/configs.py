@@ -2,7 +2,7 @@
 per-architecture constants.
 
 Pure data (no triton import): read by the AOT build, by the JIT launchers and by
-tests. Entries are measured on the device; benchmarks/NOTES.md says how each was chosen.
+tests. Entries are measured on the device; benchmarks/LOG.md says how each was chosen.
 """
 from dataclasses import dataclass
 
@@ -77,7 +77,7 @@ def config(family: str, arch: int, dtype: str):
         return RowConfig(64, 4, rows=16)
     if family == "stored_logits":
         # Memory-bound passes over the stored logits; chosen by the H200 sweep of benchmarks/tune.py
-        # (benchmarks/NOTES.md, step 13). float32 tiles take half the columns: the same bytes per thread.
+        # (benchmarks/LOG.md, step 13). float32 tiles take half the columns: the same bytes per thread.
         return RowConfig(2048 if dtype != "fp32" else 1024, 4, rows=4)
     raise ValueError(f"unknown kernel family {family!r}")
 
@@ -103,7 +103,7 @@ class ArchConstants:
     vocab_tile_rows: int  # rows of a 2-D tile of the lean forward with gradient: the dW GEMM stays compute-bound
 
 
-# Measured on the H200 (benchmarks/NOTES.md: ~3 TB/s for the tile passes under the GEMMs' load, ~700 TFLOP/s
+# Measured on the H200 (benchmarks/LOG.md: ~3 TB/s for the tile passes under the GEMMs' load, ~700 TFLOP/s
 # for cuBLAS at shape A, step 15). Arch 0 serves every architecture without an entry of its own (sm_90
 # included): the decisions depend on the ratio of the two rates, which other datacenter parts share roughly.
 # An architecture measured to differ gets an entry of its own.

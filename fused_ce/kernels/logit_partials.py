@@ -27,7 +27,7 @@ SPEC = KernelSpec(
         ("has_argmax", "i32"),
     ),
     family="stored_logits",
-    # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (NOTES.md, step 14)
+    # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (LOG.md, step 14)
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),
     flavors=(("extras", (("EXTRAS", True), ("BLOCK_R", 2))),),  # the entropy's and argmax's partials, half the rows
 )
