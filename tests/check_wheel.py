@@ -70,7 +70,7 @@ import importlib.metadata  # noqa: E402
 meta = importlib.metadata.metadata("fused_ce")
 license_field = meta.get("License-Expression") or meta.get("License")
 assert license_field == "BSD-3-Clause" and meta.get("Author"), (license_field, meta.get("Author"))
-assert any(f.endswith("LICENSE") for f in importlib.metadata.files("fused_ce")), "no LICENSE in the wheel"
+assert any(f.name == "LICENSE" for f in importlib.metadata.files("fused_ce")), "no LICENSE in the wheel"
 print(
     f"wheel ok: torch {torch.__version__}, archs {requested}, {count} cubins, loss {loss.item():.6f}, {license_field}"
 )
