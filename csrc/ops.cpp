@@ -200,19 +200,31 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
   return {loss, lse};
 }
 
-// Autocast: like F.linear, the linear part runs in the autocast dtype (the
-// loss is float32 inside anyway).
+// Autocast: like F.linear, the linear's operands (input, weight, bias) in the autocast dtype; the rest (targets,
+// class weights, per-token inputs) as given, the loss float32 inside anyway. The caller excludes its autocast key.
+struct LinearOperands {
+  at::Tensor input, weight;
+  std::optional<at::Tensor> bias;
+};
+
+template <c10::DeviceType device_type>
+LinearOperands autocast_linear(const at::Tensor& input, const at::Tensor& linear_weight,
+                               const std::optional<at::Tensor>& linear_bias) {
+  const auto dtype = at::autocast::get_autocast_dtype(device_type);
+  const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
+  LinearOperands out{cast(input), cast(linear_weight), std::nullopt};
+  if (linear_bias && linear_bias->defined()) out.bias = cast(*linear_bias);
+  return out;
+}
+
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
 AllOutputs linear_cross_entropy_all_autocast(const at::Tensor& input, const at::Tensor& linear_weight,
                                              const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
                                              const std::optional<at::Tensor>& weight
                                                  FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
-  const auto dtype = at::autocast::get_autocast_dtype(device_type);
-  const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
-  std::optional<at::Tensor> bias;
-  if (linear_bias && linear_bias->defined()) bias = cast(*linear_bias);
-  return call_loss_op(cast(input), cast(linear_weight), target, bias, weight,
+  const LinearOperands l = autocast_linear<device_type>(input, linear_weight, linear_bias);
+  return call_loss_op(l.input, l.weight, target, l.bias, weight,
                       LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS)));
 }
 
@@ -359,7 +371,7 @@ PolicyOutputs linear_policy_loss_autograd(
   return {out[0], out[1]};
 }
 
-// Autocast: the linear's operands in the autocast dtype, as for the loss (the per-token inputs stay as given).
+// Autocast: as the loss's (autocast_linear).
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
 PolicyOutputs linear_policy_loss_autocast(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
@@ -368,13 +380,10 @@ PolicyOutputs linear_policy_loss_autocast(
     const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
         FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
-  const auto dtype = at::autocast::get_autocast_dtype(device_type);
-  const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, device_type); };
-  std::optional<at::Tensor> bias;
-  if (linear_bias && linear_bias->defined()) bias = cast(*linear_bias);
+  const LinearOperands l = autocast_linear<device_type>(input, linear_weight, linear_bias);
   static auto op = op_handle("fused_ce::linear_policy_loss").typed<decltype(linear_policy_loss)>();
-  return op.call(cast(input), cast(linear_weight), target, advantages, token_weights, old_log_probs, ref_log_probs,
-                 bias FUSED_CE_ARGS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
+  return op.call(l.input, l.weight, target, advantages, token_weights, old_log_probs, ref_log_probs,
+                 l.bias FUSED_CE_ARGS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
 }
 
 // fused_ce::linear_log_probs: log softmax(softcap(logit_scale * z) / temperature)[target] per row (0 where

@@ -208,18 +208,17 @@ def _compute_loss(self, model, inputs, _original=None):
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, fused_policy=policy
         )
     mode = "train" if self.model.training else "eval"
+    # TRL's global_masked_mean of each metric from this rank's means over its tokens: one reduction, one read
+    logged = {"kl": stats.kl} if self.beta != 0.0 else {}  # (in TRL's order)
+    logged["entropy"] = stats.entropy
+    logged["clip_ratio/low_mean"], logged["clip_ratio/high_mean"] = stats.clip_low, stats.clip_high
+    logged["clip_ratio/region_mean"] = stats.clip_low + stats.clip_high
     count = mask.sum().float()
-
-    def global_mean(local_mean):  # TRL's global_masked_mean from this rank's mean over its tokens
-        totals = self.accelerator.reduce(torch.stack([local_mean.detach() * count, count]), reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
-
-    if self.beta != 0.0:
-        self._metrics[mode]["kl"].append(global_mean(stats.kl))
-    self._metrics[mode]["entropy"].append(global_mean(stats.entropy))
-    self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(stats.clip_low))
-    self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(stats.clip_high))
-    self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(stats.clip_low + stats.clip_high))
+    totals = self.accelerator.reduce(
+        torch.stack([*(v.detach() * count for v in logged.values()), count]), reduction="sum"
+    )
+    for name, total in zip(logged, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()):
+        self._metrics[mode][name].append(total)
     return out.loss
 
 
