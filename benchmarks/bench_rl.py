@@ -12,6 +12,9 @@ Workloads (bf16, x ~ N(0, 1), W ~ N(0, 1/D), per-token advantages ~ N(0, 1), 10%
                 against old log-probs, k3 KL at 0.04 against reference log-probs, token mean over the batch
                 (fused_ce.linear_policy_loss, and its log-probs + the objective in torch)
   grpo_entropy  the same with an entropy bonus of 0.01
+fused_ce runs in its default workspace (0.5 GiB: the backward computes the logits again, 8NDV) and, as "keeping
+logits", with workspace_bytes=6 GiB, room for the bf16 logits, which the per-token losses then keep for the
+backward (6NDV).
 Time: median of CUDA-event-timed runs after warm-up. Workspace: peak allocated during the call minus the inputs
 and the gradients it returns. Prints a table and writes bench_rl.json and bench_rl.png to --out.
 """
@@ -57,17 +60,29 @@ def policy_objective(lp, adv, old, ref, weights, clip=0.2, beta=0.04, entropy=No
     return (weights * per_token).sum()
 
 
+# A workspace with room for the bf16 logits at A and C (4.2 and 1.1 GB): the per-token losses keep them for
+# their backward ("memory buys speed": fused_ce.plan(...).keeps_logits).
+KEEP_LOGITS = 6 << 30
+
+
 def methods_for(workload):
     import fused_ce
 
     def fused_nll(x, w, t, adv):
         return (adv * fused_ce.linear_cross_entropy(x, w, t, reduction="none")).sum()
 
+    def fused_nll_kept(x, w, t, adv):
+        return (adv * fused_ce.linear_cross_entropy(x, w, t, reduction="none", workspace_bytes=KEEP_LOGITS)).sum()
+
     def torch_nll(x, w, t, adv):
         return (adv * -torch_log_probs(x, w, t)[0]).sum()
 
     def fused_nll_entropy(x, w, t, adv):
         out = fused_ce.linear_log_probs(x, w, t, return_entropy=True)
+        return (adv * out.log_probs).sum() + 0.01 * out.entropy.sum()
+
+    def fused_nll_entropy_kept(x, w, t, adv):
+        out = fused_ce.linear_log_probs(x, w, t, return_entropy=True, workspace_bytes=KEEP_LOGITS)
         return (adv * out.log_probs).sum() + 0.01 * out.entropy.sum()
 
     def torch_nll_entropy(x, w, t, adv):
@@ -89,8 +104,16 @@ def methods_for(workload):
         return torch_log_probs(x, w, t)[0].sum()
 
     table = {
-        "nll": {"fused_ce": fused_nll, "torch.compile": compiled(torch_nll)},
-        "nll_entropy": {"fused_ce": fused_nll_entropy, "torch.compile": compiled(torch_nll_entropy)},
+        "nll": {
+            "fused_ce": fused_nll,
+            "fused_ce keeping logits": fused_nll_kept,
+            "torch.compile": compiled(torch_nll),
+        },
+        "nll_entropy": {
+            "fused_ce": fused_nll_entropy,
+            "fused_ce keeping logits": fused_nll_entropy_kept,
+            "torch.compile": compiled(torch_nll_entropy),
+        },
         "forward": {"fused_ce": fused_forward, "torch.compile": compiled(torch_forward)},
         "log_probs": {"fused_ce": fused_log_probs, "torch.compile": compiled(torch_log_probs_only)},
     }

@@ -78,10 +78,10 @@ void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at
 
 namespace {
 
-// StoredLogits: per row block, cuBLAS logits turned into their gradient in place (softmax_grad, given the
-// rows' lse), multiplied back by cuBLAS; each row's dX is written once.
+// StoredLogits: per row block, cuBLAS logits (or those the forward kept) turned into their gradient in place
+// (softmax_grad, given the rows' lse), multiplied back by cuBLAS; each row's dX is written once.
 Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
-                         GradMask need) {
+                         GradMask need, const at::Tensor& kept = {}) {
   const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
   Grads g = allocate_grads(p, plan, need);
   if (p.N == 0 || !(need_x || need_w || need_b)) return g;
@@ -89,14 +89,14 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
   // coefficients take logits_scale, so that the blocks hold the gradient itself.
   const GradCoefficients scaled = plan.logits_scale == 1.0 ? c : c.scaled(plan.logits_scale);
   const Problem stored = reading_stored_logits(p, plan);
-  at::Tensor buffer = at::empty({plan.block_rows, p.V}, p.x.options());
+  at::Tensor buffer = kept.defined() ? kept : at::empty({plan.block_rows, p.V}, p.x.options());
   at::Tensor gx_buffer;
   for (int64_t r0 = 0; r0 < p.N; r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
     const Problem pr = stored.rows(r0, r1);
     const GradCoefficients cr = scaled.rows(r0, r1);
-    at::Tensor block = buffer.narrow(0, 0, r1 - r0);
-    logits_into(pr, block, plan.logits_scale);
+    at::Tensor block = kept.defined() ? kept.narrow(0, r0, r1 - r0) : buffer.narrow(0, 0, r1 - r0);
+    if (!kept.defined()) logits_into(pr, block, plan.logits_scale);
     cuda_softmax_grad(pr, cr, cr.lse, block, o.smoothing());
     if (need_x) {
       const at::Tensor gx = input_grad_rows(p, g.input, gx_buffer, r0, r1);
@@ -110,6 +110,18 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
 }
 
 }  // namespace
+
+Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
+                             GradMask need, const at::Tensor& kept) {
+  if (p.N == 0) return allocate_grads(p, plan, need);  // zeros
+  TORCH_CHECK(plan.pass == Pass::BackwardFromLogits && plan.strategy == Strategy::StoredLogits,
+              "fused_ce: kept logits are read by Pass::BackwardFromLogits' stored_logits plan");
+  TORCH_CHECK(kept.dim() == 2 && kept.size(0) >= p.N && kept.size(1) == p.V && kept.stride(1) == 1 &&
+                  kept.scalar_type() == plan.logits_dtype && kept.device() == p.x.device(),
+              "fused_ce: the kept logits must be [>= ", p.N, ", ", p.V, "] ", c10::toString(plan.logits_dtype),
+              " rows on ", p.x.device().str(), ", got ", kept.sizes(), " ", kept.scalar_type());
+  return stored_logit_grads(p, o, plan, c, need, kept);
+}
 
 Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                        GradMask need) {

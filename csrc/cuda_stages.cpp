@@ -103,14 +103,19 @@ bool cuda_kernels_disabled() {
   return disabled;
 }
 
-bool cuda_kernels_available(const Problem& p) {
-  if (!p.x.is_cuda() || cuda_kernels_disabled()) return false;
+bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype) {
+  const char* name = kernel_dtype(dtype);
+  if (!device.is_cuda() || name == nullptr || cuda_kernels_disabled()) return false;
+  const int arch = device_arch(device.index());
   for (const char* kernel : {"row_stats", "logit_grad", "logit_partials", "logit_partials_extras", "combine_partials",
                              "combine_partials_extras", "softmax_grad", "softmax_grad_entropy"}) {
-    if (select(kernel, p, nullptr) == nullptr) return false;
+    if (find_variant(kernel, name, "general", arch) == nullptr) return false;
   }
-  return select_fixed("prepare_rows", p.x.device()) != nullptr &&
-         select_fixed("assemble_loss", p.x.device()) != nullptr;
+  return select_fixed("prepare_rows", device) != nullptr && select_fixed("assemble_loss", device) != nullptr;
+}
+
+bool cuda_kernels_available(const Problem& p) {
+  return cuda_kernels_embedded(p.x.device(), p.x.scalar_type());
 }
 
 RowStats cuda_row_stats(const Problem& p, const StatsRequest& request) {

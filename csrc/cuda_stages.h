@@ -13,7 +13,9 @@ namespace fused_ce {
 
 // False where FUSED_CE_DISABLE_KERNELS is set (read once).
 bool cuda_kernels_disabled();
-// Whether every stage has an embedded cubin that fits p's device and dtype.
+// Whether every stage has an embedded cubin for this device and input dtype (and the kernels are not disabled).
+bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype);
+// The same for p's device and dtype.
 bool cuda_kernels_available(const Problem& p);
 
 // Prologue (prepare_rows.py): from the raw int64 class indices `target` ([N],

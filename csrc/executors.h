@@ -23,13 +23,17 @@ struct Grads {
 // Which gradients are asked for: input, linear_weight, linear_bias (only with a bias).
 using GradMask = std::array<bool, 3>;
 
-// forward.cpp: the row stats of every row (Pass::Forward).
-RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan);
+// forward.cpp: the row stats of every row (Pass::Forward); for Pass::ForwardKeepingLogits, the logits
+// left in `kept` ([>= N, V] in the plan's logits dtype, at plan.logits_scale: row r of p in row r).
+RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan, const at::Tensor& kept = {});
 
 // backward.cpp: the gradients, recomputing the logits, for coefficients `c`
-// with c.lse set (Pass::Backward; StoredLogits, AtenChunks, DotTiles).
+// with c.lse set (Pass::Backward; StoredLogits, AtenChunks, DotTiles); for Pass::BackwardFromLogits, from the
+// logits the forward kept (forward_stats), turned into their gradient in place.
 Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                        GradMask need);
+Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
+                             GradMask need, const at::Tensor& kept);
 
 // Where a block's gradient coefficients come from: fixed ones, known before the logits (the cross-entropy's), or
 // a function of the block's row stats (the policy loss's, which need each row's log-prob and entropy), called
@@ -66,8 +70,10 @@ void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at
 void logits_into(const Problem& p, at::Tensor& out, double scale = 1.0);
 // p as the kernels over logits stored at plan.logits_scale see it (logit_scale / logits_scale).
 Problem reading_stored_logits(const Problem& p, const Plan& plan);
-// Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass).
-RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows);
+// Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass), the
+// blocks in `kept` where given (forward_stats).
+RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows,
+                                  const at::Tensor& kept = {});
 // out (+)= alpha * a @ b, accumulating in out's dtype (a float32 out from float16 or bfloat16 a and b: cuBLAS's
 // float32 output where torch has it).
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha = 1.0);

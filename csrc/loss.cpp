@@ -79,6 +79,23 @@ at::Tensor shaped_loss(const Problem& run, const LossOptions& o, const Plan& pla
   return o.scalar() ? loss : loss.reshape(target_shape);
 }
 
+// The rows a call that keeps its logits runs on, in the order of the kept rows (linear_cross_entropy_keeping_logits):
+// the counted ones where their count is read, every row (counted ones first) under CUDA graph capture, where it
+// is not. The forward and the backward find the same order from the same targets, so that the backward reads the
+// forward's rows whichever of the two was captured (rows it finds beyond those the forward computed have no
+// gradient, and softmax_grad writes them exact zeros).
+CountedRows kept_rows(const Problem& p, const CountedRows& rows) {
+  if (rows.known() || !rows.order.defined()) return rows;
+  CountedRows all = rows;
+  all.counted = p.N;
+  return all;
+}
+
+Problem kept_run(const Problem& p, const CountedRows& rows, const CountedRows& kept) {
+  if (p.N == 0 || (rows.known() && rows.counted == p.N)) return p;  // every row, in order
+  return p.select_rows(kept.counted_index());
+}
+
 // The ops' per-row outputs: the lse shaped like the target, the entropy (0 at ignored rows) and the argmax (-1
 // there) where asked for, else empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const Problem& p, const RowStats& s, at::IntArrayRef shape) {
@@ -150,6 +167,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   const Problem run = rows_to_run(p, plan, rows);
   if (plan.counted_rows_only) c = c.select_rows(rows.counted_index());
   return shaped_grads(p, recomputed_grads(vocab_shard(run, o), o, plan, c, output_mask), input, linear_weight);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_keeping_logits(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+  const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  TORCH_CHECK_VALUE(keeps_logits(input, linear_weight, target, o),
+                    "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept (a per-token loss on "
+                    "CUDA whose logits fit in workspace_bytes: fused_ce.plan(...).keeps_logits)");
+  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
+  const CountedRows rows =
+      prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr, /*order_under_capture=*/true);
+  const CountedRows kept = kept_rows(p, rows);
+  const Problem run = kept_run(p, rows, kept);
+  const Plan plan = make_plan(run, o, Pass::ForwardKeepingLogits);
+  const Problem shard = vocab_shard(run, o);
+  at::Tensor logits = at::empty({p.N, shard.V}, p.x.options());
+  RowStats s = forward_stats(shard, o, plan, logits);
+  if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
+  const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, kept, p.N, target.sizes()));
+  if (plan.counted_rows_only) s = every_row(p, o, kept, s);
+  const auto [lse, entropy, argmax] = outputs(p, s, target.sizes());
+  return {loss, lse, entropy, argmax, logits};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_from_logits(
+    const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, at::Tensor& logits, const at::Tensor& input,
+    const at::Tensor& linear_weight, const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
+    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+  const LossOptions o = LossOptions::parse("linear_cross_entropy_backward" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
+  const CountedRows rows =
+      prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr, /*order_under_capture=*/true);
+  if (grad_lse && grad_lse->defined() && !(rows.known() && rows.counted == p.N)) {
+    // the lse of ignored rows has a gradient, and their logits may not have been kept: computed again
+    return linear_cross_entropy_backward(grad_loss, grad_lse, grad_entropy, input, linear_weight, target, linear_bias,
+                                         weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  }
+  GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
+  c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
+  const CountedRows kept = kept_rows(p, rows);
+  const Problem run = kept_run(p, rows, kept);
+  const Plan plan = make_plan(run, o, Pass::BackwardFromLogits);
+  if (run.row_index.defined()) c = c.select_rows(kept.counted_index());
+  return shaped_grads(p, grads_from_kept_logits(vocab_shard(run, o), o, plan, c, output_mask, logits), input,
+                      linear_weight);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

@@ -38,6 +38,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
 
+// fused_ce::_linear_cross_entropy_keeping_logits: _linear_cross_entropy's outputs and the logits, kept for
+// _linear_cross_entropy_backward_from_logits: [target.numel(), V] in the input dtype (times the plan's
+// logits_scale), kept row r holding the logits of row order[r] (CountedRows::order, counted rows first), the
+// counted rows' only where their count is read. For per-token losses that keeps_logits (plan.h) admits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_keeping_logits(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
+
+// fused_ce::_linear_cross_entropy_backward_from_logits: linear_cross_entropy_backward's gradients from the
+// logits that _linear_cross_entropy_keeping_logits kept, which become their gradient in place (they are used
+// up); recomputed where those logits lack rows the gradient needs (a gradient on the lse of ignored rows).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_from_logits(
+    const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, at::Tensor& logits, const at::Tensor& input,
+    const at::Tensor& linear_weight, const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
+    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
+
 // fused_ce::linear_cross_entropy_with_grad: (loss, lse, entropy, argmax, grad_input,
 // grad_linear_weight, grad_linear_bias) for a scalar reduction, the gradients
 // being those of the loss itself (upstream gradient 1), computed from the same

@@ -15,6 +15,7 @@
 #include "format.h"
 #include "kernel_table.h"
 #include "loss.h"
+#include "plan.h"
 
 namespace fused_ce {
 namespace {
@@ -89,6 +90,14 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       std::tie(loss, lse, entropy, argmax) = std::tie(l, s, e, a);
       // Not saved with save_for_backward: the backward consumes them (scales in place and hands them on).
       ctx->saved_data["grads"] = std::vector<at::Tensor>{gx, gw, gb};
+    } else if (keeps_logits(input, linear_weight, target, o)) {
+      static auto op = op_handle("fused_ce::_linear_cross_entropy_keeping_logits")
+                           .typed<decltype(linear_cross_entropy_keeping_logits)>();
+      at::Tensor logits;
+      std::tie(loss, lse, entropy, argmax, logits) = o.apply(
+          [&](auto... options) { return op.call(input, linear_weight, target, linear_bias, weight, options...); });
+      // Not saved with save_for_backward: the first backward uses them up (turns them into their gradient).
+      ctx->saved_data["logits"] = logits;
     } else {
       std::tie(loss, lse, entropy, argmax) = call_loss_op(input, linear_weight, target, linear_bias, weight, o);
     }
@@ -154,6 +163,18 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       return result(list[0], list[1], list[2]);
     }
     if (!grad_loss.defined()) grad_loss = o.scalar() ? at::zeros({}, lse.options()) : at::zeros_like(lse);
+    auto kept = ctx->saved_data.find("logits");
+    if (kept != ctx->saved_data.end()) {
+      at::Tensor logits = kept->second.toTensor();
+      ctx->saved_data.erase(kept);  // used up; a second backward through a retained graph recomputes them
+      static auto op = op_handle("fused_ce::_linear_cross_entropy_backward_from_logits")
+                           .typed<decltype(linear_cross_entropy_backward_from_logits)>();
+      const auto [gx, gw, gb] = o.apply([&](auto... options) {
+        return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), logits, saved[0], saved[1], saved[2],
+                       optional(saved[3]), optional(saved[4]), lse, optional(saved[6]), mask, options...);
+      });
+      return result(gx, gw, gb);
+    }
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_backward").typed<decltype(linear_cross_entropy_backward)>();
     const auto [gx, gw, gb] = o.apply([&](auto... options) {
@@ -467,6 +488,15 @@ TORCH_LIBRARY(fused_ce, m) {
       "Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, Tensor? entropy, "
       "bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def("_linear_cross_entropy_keeping_logits(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(
+            FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor logits)",
+        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "_linear_cross_entropy_backward_from_logits(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, "
+      "Tensor(a!) logits, Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, "
+      "Tensor lse, Tensor? entropy, bool[3] output_mask" FUSED_CE_SCHEMA(
+          FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
   m.def(
       "linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
       "Tensor? weight, bool[3] output_mask" FUSED_CE_SCHEMA(
@@ -497,6 +527,8 @@ TORCH_LIBRARY(fused_ce, m) {
 
 TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
   m.impl("_scale_grad_", &scale_grad_);
+  m.impl("_linear_cross_entropy_keeping_logits", &linear_cross_entropy_keeping_logits);
+  m.impl("_linear_cross_entropy_backward_from_logits", &linear_cross_entropy_backward_from_logits);
   m.impl("linear_policy_loss", &linear_policy_loss);
   m.impl("linear_policy_loss_with_grad", &linear_policy_loss_with_grad);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
@@ -507,6 +539,8 @@ TORCH_LIBRARY_IMPL(fused_ce, CPU, m) {
 
 TORCH_LIBRARY_IMPL(fused_ce, CUDA, m) {
   m.impl("_scale_grad_", &scale_grad_);
+  m.impl("_linear_cross_entropy_keeping_logits", &linear_cross_entropy_keeping_logits);
+  m.impl("_linear_cross_entropy_backward_from_logits", &linear_cross_entropy_backward_from_logits);
   m.impl("linear_policy_loss", &linear_policy_loss);
   m.impl("linear_policy_loss_with_grad", &linear_policy_loss_with_grad);
   m.impl("linear_cross_entropy", &linear_cross_entropy);

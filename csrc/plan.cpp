@@ -185,6 +185,16 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
     plan.tile_cols = p.V;
     plan.workspace_bytes = rows * row_bytes;
   };
+  if (plan.pass == Pass::ForwardKeepingLogits || plan.pass == Pass::BackwardFromLogits) {
+    // every row's logits in one block, kept from the forward for the backward (keeps_logits); the backward's
+    // GEMMs then run over all rows at once, dW in one product (one rounding)
+    stored_logits(std::max<int64_t>(p.N, 1));
+    if (plan.pass == Pass::BackwardFromLogits) {
+      plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
+      plan.workspace_bytes = p.N * gathered;  // the logits are the forward's
+    }
+    return;
+  }
   if (plan.pass == Pass::Backward) {
     if (stored) {  // the gradient blocks from cuBLAS logits, each row's dX written once
       stored_logits(balanced_block_rows(p.N, capacity, arch.gemm_tile_rows));
@@ -237,9 +247,11 @@ Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected)
   plan.rows = p.N;
   plan.counted_rows_only = selected;
   plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
+  const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
   if (uses_row_kernels(p)) {
     plan_kernels(plan, p, o, selected);
   } else {
+    TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
     plan_aten_chunks(plan, p, selected);
   }
   return plan;
@@ -282,21 +294,37 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
     return make_plan(largest, o, pass, counted);
   }
   if (p.row_index.defined()) return plan_rows(p, o, pass, /*selected=*/true);  // a selection already
-  const Plan all = plan_rows(p, o, pass, /*selected=*/false);
+  Plan all = plan_rows(p, o, pass, /*selected=*/false);
+  if (pass == Pass::Forward) all.keeps_logits = keeps_logits(p.x, p.w, p.target, o);
   if (counted < 0 || counted >= p.N) return all;
   Problem counted_rows = p;
   counted_rows.N = counted;
-  const Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true);
+  // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits)
+  if (pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits) {
+    return plan_rows(counted_rows, o, pass, /*selected=*/true);
+  }
+  Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true);
+  selected.keeps_logits = all.keeps_logits;
   return counted_rows_pay(selected, all, p) ? selected : all;
+}
+
+bool keeps_logits(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                  const LossOptions& o) {
+  if (o.scalar() || !cuda_kernels_embedded(input.device(), input.scalar_type())) return false;
+  // every rank of a vocabulary-parallel group decides alike, for the largest shard (the same collectives)
+  const c10::SymInt V = o.vocab_parallel() ? c10::SymInt(o.max_shard_rows) : linear_weight.sym_size(0);
+  const int64_t elem = c10::elementSize(input.scalar_type());
+  // the logits and, at most, the partials of logit_partials' smallest segments (3 floats per 1024 columns)
+  const c10::SymInt row_bytes = V * elem + (V + 1023) / 1024 * int64_t{3 * sizeof(float)};
+  const int64_t budget = o.workspace_bytes.value_or(kDefaultCudaWorkspace);
+  return target.sym_numel() * row_bytes <= budget;  // (a guard on symbolic sizes)
 }
 
 std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
   const auto dtype = [](at::ScalarType t) {
     return std::string(t == at::ScalarType::Undefined ? "" : c10::toString(t));
   };
-  const auto pass = plan.pass == Pass::Forward    ? "forward"
-                    : plan.pass == Pass::Backward ? "backward"
-                                                  : "forward_with_grad";
+  const auto pass = pass_name(plan.pass);
   return {
       {"pass_", std::string(pass)},
       {"strategy", std::string(strategy_name(plan.strategy))},
@@ -314,6 +342,7 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"rows_on_device", plan.rows_on_device},
       {"budget_bytes", plan.budget_bytes},
       {"workspace_bytes", plan.workspace_bytes},
+      {"keeps_logits", plan.keeps_logits},
   };
 }
 
@@ -327,12 +356,29 @@ const char* strategy_name(Strategy s) {
   return "?";
 }
 
+namespace {
+constexpr Pass kPasses[] = {Pass::Forward, Pass::Backward, Pass::ForwardWithGrad, Pass::ForwardKeepingLogits,
+                            Pass::BackwardFromLogits};
+}  // namespace
+
+const char* pass_name(Pass pass) {
+  switch (pass) {
+    case Pass::Forward: return "forward";
+    case Pass::Backward: return "backward";
+    case Pass::ForwardWithGrad: return "forward_with_grad";
+    case Pass::ForwardKeepingLogits: return "forward_keeping_logits";
+    case Pass::BackwardFromLogits: return "backward_from_logits";
+  }
+  return "?";
+}
+
 Pass parse_pass(c10::string_view name) {
-  if (name == "forward") return Pass::Forward;
-  if (name == "backward") return Pass::Backward;
-  if (name == "forward_with_grad") return Pass::ForwardWithGrad;
-  TORCH_CHECK_VALUE(false, "fused_ce: pass must be 'forward', 'backward' or 'forward_with_grad', got '",
-                    std::string(name), "'");
+  std::string names;
+  for (const Pass pass : kPasses) {
+    if (name == pass_name(pass)) return pass;
+    names += std::string(names.empty() ? "'" : ", '") + pass_name(pass) + "'";
+  }
+  TORCH_CHECK_VALUE(false, "fused_ce: pass must be one of ", names, ", got '", std::string(name), "'");
   return Pass::Forward;
 }
 

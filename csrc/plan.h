@@ -14,9 +14,10 @@
 
 namespace fused_ce {
 
-// The three ops: the loss (and lse), the recomputing backward, and the forward
-// that also returns the gradients of a scalar loss.
-enum class Pass { Forward, Backward, ForwardWithGrad };
+// The ops: the loss (and lse), the recomputing backward, the forward that also returns the gradients of a
+// scalar loss, and the pair that keeps a per-token loss's logits from its forward for its backward (6NDV
+// instead of 8NDV, for the logits' memory: keeps_logits).
+enum class Pass { Forward, Backward, ForwardWithGrad, ForwardKeepingLogits, BackwardFromLogits };
 
 enum class Strategy {
   // ATen in float32 (float64 for float64 inputs), blocks of whole vocabulary
@@ -74,6 +75,9 @@ struct Plan {
   bool rows_on_device = false;  // per-row bookkeeping in kernels (prepare_rows, assemble_loss)
   int64_t budget_bytes = 0;     // workspace_bytes, or the device's default
   int64_t workspace_bytes = 0;  // bytes of logit blocks (and their partials) held at once
+  // Forward plans of a per-token loss: whether a differentiated call keeps its logits for the backward
+  // (keeps_logits), running Pass::ForwardKeepingLogits instead.
+  bool keeps_logits = false;
 };
 
 // `counted`: the rows whose target counts (CountedRows::counted, targets.h), -1 where not known. A problem
@@ -84,10 +88,20 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
 // prepared: the device has a cubin for every stage.
 bool uses_row_kernels(const Problem& p);
 
+// Whether a differentiated call of the per-token loss (reduction 'none') with these arguments keeps its logits
+// between forward and backward (Pass::ForwardKeepingLogits, then Pass::BackwardFromLogits): on CUDA with the
+// row kernels, where every row's logits (target.numel() x V, in the input dtype, and their partials) fit in
+// the workspace budget. The backward then multiplies them back instead of computing them again: 6NDV, not 8NDV.
+// Decided from shapes, dtypes and options alone (guarded symbolic sizes under torch.compile), so that the
+// fake kernels know the shapes.
+bool keeps_logits(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                  const LossOptions& o);
+
 // The plan's fields as (name, value): what _plan returns, in this order, and what its schema declares.
 std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan);
 
 const char* strategy_name(Strategy s);
+const char* pass_name(Pass pass);
 Pass parse_pass(c10::string_view name);
 
 }  // namespace fused_ce

@@ -65,16 +65,19 @@ CountedRows count_rows(const at::Tensor& target) {
 
 }  // namespace
 
-CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit) {
+CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit,
+                            bool order_under_capture) {
   const at::Tensor raw = p.target;
   CountedRows rows;
   if (on_device) {
     // prepare_rows makes bad indices ignored rows (nothing is read out of bounds); no host read under capture.
     const bool capturing = stream_capturing(p.x.device());
     at::Tensor order;
-    const at::Tensor counts = cuda_prepare_rows(p, raw, o, unit, capturing ? nullptr : &order);  // [bad, counted]
+    const bool write_order = !capturing || order_under_capture;
+    const at::Tensor counts = cuda_prepare_rows(p, raw, o, unit, write_order ? &order : nullptr);  // [bad, counted]
     if (capturing) {
       if (check) tally_captured_bad_targets(p, counts.narrow(0, 0, 1));
+      rows.order = order;
       return rows;
     }
     if (check) report_captured_bad_targets(p);

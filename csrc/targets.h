@@ -14,7 +14,8 @@ struct CountedRows {
   // Rows whose target counts, read with the class-index check; -1 where nothing is read (the check made no
   // host read: under CUDA graph capture, or without `check`).
   int64_t counted = -1;
-  // [N] int64: the counted rows in ascending order, then the ignored ones; undefined where counted is -1.
+  // [N] int64: the counted rows in ascending order, then the ignored ones; undefined where counted is -1 (but
+  // with prepare_targets' order_under_capture).
   at::Tensor order;
 
   bool known() const { return counted >= 0; }
@@ -28,7 +29,9 @@ struct CountedRows {
 // brings the count of counted rows; under CUDA graph capture no read (the count stays unknown, and bad
 // indices make the loss NaN and are reported by the next call outside capture). With `unit`, also the
 // gradient coefficients of the scalar loss for an upstream gradient of 1. Without `check` (the backward's
-// preparation of targets the forward checked) the count is read all the same, outside capture.
-CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit);
+// preparation of targets the forward checked) the count is read all the same, outside capture. With
+// `order_under_capture` (and the row kernels), the order is written under capture too, where the count is not read.
+CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit,
+                            bool order_under_capture = false);
 
 }  // namespace fused_ce

@@ -68,6 +68,15 @@ def _linear_cross_entropy_all_fake(*args, **kwargs):
     return _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
 
 
+@torch.library.register_fake("fused_ce::_linear_cross_entropy_keeping_logits")
+def _linear_cross_entropy_keeping_logits_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce._linear_cross_entropy_keeping_logits.default, args, kwargs)
+    tensors = (a["input"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
+    outputs = _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
+    # every row's logits over this rank's classes, in the input dtype (csrc/loss.h)
+    return (*outputs, a["input"].new_empty((a["target"].numel(), a["linear_weight"].shape[0])))
+
+
 def _grads(input, linear_weight, linear_bias, output_mask):
     def grad(t, needed):
         return t.new_empty(t.shape) if needed and t is not None else input.new_empty((0,))
@@ -80,6 +89,14 @@ def _linear_cross_entropy_backward_fake(*args, **kwargs):
     a = _arguments(torch.ops.fused_ce.linear_cross_entropy_backward.default, args, kwargs)
     input = a["input"]
     _check_devices(input, a["linear_weight"], a["target"], a["linear_bias"], a["weight"], a["grad_loss"], a["lse"])
+    return _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
+
+
+@torch.library.register_fake("fused_ce::_linear_cross_entropy_backward_from_logits")
+def _linear_cross_entropy_backward_from_logits_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce._linear_cross_entropy_backward_from_logits.default, args, kwargs)
+    input = a["input"]
+    _check_devices(input, a["logits"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"], a["lse"])
     return _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
 
 

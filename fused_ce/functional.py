@@ -540,7 +540,9 @@ def plan(
     """The plan :func:`linear_cross_entropy` follows for these arguments (its keywords), without running it.
 
     ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
-    gradients, else "forward"; a per-row loss or a gradient through the lse also runs "backward" later.
+    gradients, "forward_keeping_logits" where a per-row loss needs them and its logits fit in the workspace
+    (``keeps_logits``: its backward, "backward_from_logits", then multiplies them back instead of computing them
+    again), else "forward"; a per-row loss or a gradient through the lse otherwise runs "backward" later.
     The plan depends on shapes, dtypes, strides, device and the number of counted (not ignored) targets,
     which it reads (one host read on CUDA); expanded tensors serve for the rest.
     """
@@ -561,7 +563,12 @@ def plan(
             input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         pass_ = "forward_with_grad" if differentiable and keywords.get("reduction", "mean") != "none" else "forward"
+    else:
+        differentiable = False
     options = _op_options(**keywords, lse_of_ignored_rows=return_lse, shard=shard)
     fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, bias, weight, **options)
+    if differentiable and pass_ == "forward" and fields[Plan._fields.index("keeps_logits")]:
+        pass_ = "forward_keeping_logits"
+        fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, bias, weight, **options)
     values = [(_DTYPES.get(v) if name.endswith("dtype") else v) for name, v in zip(Plan._fields, fields, strict=True)]
     return Plan(*values)
