@@ -293,19 +293,21 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
     largest.V = o.max_shard_rows;
     return make_plan(largest, o, pass, counted);
   }
-  if (p.row_index.defined()) return plan_rows(p, o, pass, /*selected=*/true);  // a selection already
-  Plan all = plan_rows(p, o, pass, /*selected=*/false);
-  if (pass == Pass::Forward) all.keeps_logits = keeps_logits(p.x, p.w, p.target, o);
-  if (counted < 0 || counted >= p.N) return all;
+  const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
+  // (of the problem's own rows: a selection of rows is planned for a call that has decided)
+  const bool keeps = kept || (pass == Pass::Forward && !p.row_index.defined() && keeps_logits(p.x, p.w, p.target, o));
+  const auto with_keeps = [keeps](Plan plan) {
+    plan.keeps_logits = keeps;
+    return plan;
+  };
+  if (p.row_index.defined()) return with_keeps(plan_rows(p, o, pass, /*selected=*/true));  // a selection already
+  const Plan all = plan_rows(p, o, pass, /*selected=*/false);
+  if (counted < 0 || counted >= p.N) return with_keeps(all);
   Problem counted_rows = p;
   counted_rows.N = counted;
+  const Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true);
   // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits)
-  if (pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits) {
-    return plan_rows(counted_rows, o, pass, /*selected=*/true);
-  }
-  Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true);
-  selected.keeps_logits = all.keeps_logits;
-  return counted_rows_pay(selected, all, p) ? selected : all;
+  return with_keeps(kept || counted_rows_pay(selected, all, p) ? selected : all);
 }
 
 bool keeps_logits(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
