@@ -76,9 +76,10 @@ def test_log_probs_and_entropy_gradients_match_float64_and_the_recomputing_backw
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         for workspace, errs in errors.items():
             assert max(errs) < tolerance, (workspace, errs)
-        # keeping the logits rounds no more than computing them again (the same products)
+        # keeping the logits rounds no more than computing them again (the same products, summed in another
+        # order: float32's errors are ~1e-7 either way)
         for kept, recomputed in zip(errors[KEEP], errors[LEAN]):
-            assert kept <= 1.5 * recomputed + 1e-7, (errors[KEEP], errors[LEAN])
+            assert kept <= 1.5 * recomputed + tolerance / 10, (errors[KEEP], errors[LEAN])
 
 
 @pytest.mark.cuda
