@@ -208,7 +208,9 @@ def linear_cross_entropy(
             them, not gradient work), and carries a gradient.
         workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 32 MiB on CPU);
             larger blocks run closer to the GEMM rate, smaller ones save memory. At least one row of logits
-            is held (``V`` float32 values on CPU). :func:`plan` shows what a budget buys.
+            is held (``V`` float32 values on CPU). With ``reduction='none'`` and a gradient, a CUDA budget with
+            room for every row's logits keeps them from the forward for the backward (held in between:
+            6NDV flops instead of 8NDV; ``plan(...).keeps_logits``). :func:`plan` shows what a budget buys.
         process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor parallel):
             ``linear_weight`` and ``linear_bias`` are this rank's contiguous shard of the classes (shards may
             differ in size), ``input`` is the same on every rank, targets and class weights are global. Every
@@ -363,13 +365,15 @@ def linear_log_probs(
             logits.
         process_group: vocabulary parallel, as in :func:`linear_cross_entropy` (the entropy and argmax are
             combined over the shards); DTensors need none.
-        workspace_bytes: as in :func:`linear_cross_entropy`.
+        workspace_bytes: as in :func:`linear_cross_entropy`. On CUDA, room for every counted row's logits
+            (``N x V`` in the input dtype) keeps them from the forward for the backward: 6NDV flops in all
+            instead of 8NDV, that memory held in between.
 
     Returns:
         The float32 log-probabilities shaped like ``target`` (0 at ignored rows, differentiable for any upstream
-        gradient: the backward recomputes the logits, 8NDV flops in all), or, with ``return_entropy`` or
-        ``return_argmax``, ``LogProbs(log_probs, entropy, argmax)``: the entropy 0 and the argmax -1 at ignored
-        rows, None where not asked for. Rows whose target is ``ignore_index`` are not computed at all.
+        gradient: the backward recomputes the logits, 8NDV flops in all, unless they were kept), or, with
+        ``return_entropy`` or ``return_argmax``, ``LogProbs(log_probs, entropy, argmax)``: the entropy 0 and the
+        argmax -1 at ignored rows, None where not asked for. Rows whose target is ``ignore_index`` are not computed at all.
     """
     input, linear_weight, target, linear_bias, _, shard = _vocab_parallel(
         input, linear_weight, target, linear_bias, None, process_group, None
