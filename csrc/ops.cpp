@@ -472,6 +472,12 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
 // The tensor arguments every loss op begins with.
 #define FUSED_CE_TENSORS \
   "Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None"
+// The backward ops': the upstream gradients, then (after the kept logits, where they are) the forward's arguments
+// and outputs.
+#define FUSED_CE_UPSTREAM_GRADS "Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, "
+#define FUSED_CE_BACKWARD_TENSORS                                                                                \
+  "Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, Tensor? " \
+  "entropy, bool[3] output_mask"
 
 }  // namespace
 
@@ -483,20 +489,16 @@ TORCH_LIBRARY(fused_ce, m) {
   m.def("_linear_cross_entropy(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(
             FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax)",
         {at::Tag::pt2_compliant_tag});
-  m.def(
-      "linear_cross_entropy_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, Tensor input, "
-      "Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, Tensor? entropy, "
-      "bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
+  m.def("linear_cross_entropy_backward(" FUSED_CE_UPSTREAM_GRADS FUSED_CE_BACKWARD_TENSORS FUSED_CE_SCHEMA(
+            FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
   m.def("_linear_cross_entropy_keeping_logits(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(
             FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor logits)",
         {at::Tag::pt2_compliant_tag});
-  m.def(
-      "_linear_cross_entropy_backward_from_logits(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, "
-      "Tensor(a!) logits, Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, "
-      "Tensor lse, Tensor? entropy, bool[3] output_mask" FUSED_CE_SCHEMA(
-          FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
+  m.def("_linear_cross_entropy_backward_from_logits(" FUSED_CE_UPSTREAM_GRADS
+        "Tensor(a!) logits, " FUSED_CE_BACKWARD_TENSORS FUSED_CE_SCHEMA(
+            FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
   m.def(
       "linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
       "Tensor? weight, bool[3] output_mask" FUSED_CE_SCHEMA(

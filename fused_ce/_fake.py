@@ -84,20 +84,22 @@ def _grads(input, linear_weight, linear_bias, output_mask):
     return grad(input, output_mask[0]), grad(linear_weight, output_mask[1]), grad(linear_bias, output_mask[2])
 
 
-@torch.library.register_fake("fused_ce::linear_cross_entropy_backward")
-def _linear_cross_entropy_backward_fake(*args, **kwargs):
-    a = _arguments(torch.ops.fused_ce.linear_cross_entropy_backward.default, args, kwargs)
-    input = a["input"]
-    _check_devices(input, a["linear_weight"], a["target"], a["linear_bias"], a["weight"], a["grad_loss"], a["lse"])
-    return _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
+def _register_backward_fake(name):
+    """The backward ops' fake kernel: the gradients asked for (the recomputing one's, and the one from kept logits)."""
+    op = getattr(torch.ops.fused_ce, name).default
+    tensors = [
+        a.name for a in op._schema.arguments if a.name not in ("input", "output_mask") and "Tensor" in str(a.type)
+    ]
+
+    @torch.library.register_fake(f"fused_ce::{name}")
+    def fake(*args, **kwargs):
+        a = _arguments(op, args, kwargs)
+        _check_devices(a["input"], *(a[n] for n in tensors))
+        return _grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"])
 
 
-@torch.library.register_fake("fused_ce::_linear_cross_entropy_backward_from_logits")
-def _linear_cross_entropy_backward_from_logits_fake(*args, **kwargs):
-    a = _arguments(torch.ops.fused_ce._linear_cross_entropy_backward_from_logits.default, args, kwargs)
-    input = a["input"]
-    _check_devices(input, a["logits"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"], a["lse"])
-    return _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
+_register_backward_fake("linear_cross_entropy_backward")
+_register_backward_fake("_linear_cross_entropy_backward_from_logits")
 
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy_with_grad")

@@ -373,7 +373,8 @@ def linear_log_probs(
         The float32 log-probabilities shaped like ``target`` (0 at ignored rows, differentiable for any upstream
         gradient: the backward recomputes the logits, 8NDV flops in all, unless they were kept), or, with
         ``return_entropy`` or ``return_argmax``, ``LogProbs(log_probs, entropy, argmax)``: the entropy 0 and the
-        argmax -1 at ignored rows, None where not asked for. Rows whose target is ``ignore_index`` are not computed at all.
+        argmax -1 at ignored rows, None where not asked for. Rows whose target is ``ignore_index`` are not
+        computed at all.
     """
     input, linear_weight, target, linear_bias, _, shard = _vocab_parallel(
         input, linear_weight, target, linear_bias, None, process_group, None
