@@ -172,6 +172,48 @@ def test_policy_loss_vocabulary_parallel():
     spawn(check_policy_loss, 2)
 
 
+def check_log_probs(rank, world, sizes):
+    # linear_log_probs on a vocabulary shard: log-probs, entropy and argmax combined over the shards, and the
+    # gradients of both float outputs, as in one process (float64); an argmax tied across two shards is the lower
+    x, w, b, _, t = problem(dtype=torch.float64)
+    tied_low, tied_high = 3, V - 2  # on the first and the last shard
+    x[0] = 0.0
+    x[0, 0] = 1.0  # row 0's logits are w[:, 0] + b, exact in any summation order
+    w[tied_low, 0] = w[tied_high, 0] = 20.0  # its most likely class, and its twin
+    b[tied_high] = b[tied_low]
+    t[0] = 11
+    g = torch.Generator().manual_seed(6)
+    u1, u2 = (
+        torch.randn(t.shape, generator=g, dtype=torch.float64),
+        torch.randn(t.shape, generator=g, dtype=torch.float64),
+    )
+    start = sum(sizes[:rank])
+    for kw in (dict(), dict(temperature=0.7, softcap=4.0, bias=True)):
+        kw = dict(kw)
+        bias = kw.pop("bias", False)
+        xs, ws = x.clone().requires_grad_(), w[start : start + sizes[rank]].clone().requires_grad_()
+        bs = b[start : start + sizes[rank]].clone().requires_grad_() if bias else None
+        got = fused_ce.linear_log_probs(xs, ws, t, linear_bias=bs, return_entropy=True, return_argmax=True,
+                                        process_group=dist.group.WORLD, **kw)  # fmt: skip
+        ((got.log_probs * u1).sum() + (got.entropy * u2).sum()).backward()
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        br = b.clone().requires_grad_() if bias else None
+        want = fused_ce.linear_log_probs(xr, wr, t, linear_bias=br, return_entropy=True, return_argmax=True, **kw)
+        ((want.log_probs * u1).sum() + (want.entropy * u2).sum()).backward()
+        assert rel(got.log_probs, want.log_probs) < 1e-12 and rel(got.entropy, want.entropy) < 1e-12, kw
+        assert torch.equal(got.argmax, want.argmax) and got.argmax[0] == tied_low, (kw, got.argmax[0])
+        assert (got.argmax[t == -100] == -1).all()
+        assert rel(xs.grad, xr.grad) < 1e-12
+        assert rel(ws.grad, wr.grad[start : start + sizes[rank]]) < 1e-12
+        if bias:
+            assert rel(bs.grad, br.grad[start : start + sizes[rank]]) < 1e-12
+
+
+@pytest.mark.parametrize("world, sizes", [(2, [20, 30]), (4, [13, 12, 15, 10])])
+def test_log_probs_entropy_argmax_vocabulary_parallel(world, sizes):
+    spawn(check_log_probs, world, sizes)
+
+
 def check_bad_layouts(rank, world):
     x, w, b, cw, t = problem()
     with pytest.raises(ValueError, match="do not tile"):  # both ranks claim class 0
