@@ -147,14 +147,33 @@ def linear_cross_entropy(
     target: Tensor,
     *,
     return_lse: Literal[False] = False,
+    return_argmax: Literal[False] = False,
     **keywords: Unpack[LossKeywords],
 ) -> Tensor: ...
 
 
 @overload
 def linear_cross_entropy(
-    input: Tensor, linear_weight: Tensor, target: Tensor, *, return_lse: Literal[True], **keywords: Unpack[LossKeywords]
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    return_lse: Literal[True],
+    return_argmax: Literal[False] = False,
+    **keywords: Unpack[LossKeywords],
 ) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def linear_cross_entropy(
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    return_lse: bool = False,
+    return_argmax: Literal[True],
+    **keywords: Unpack[LossKeywords],
+) -> tuple[Tensor, ...]: ...
 
 
 def linear_cross_entropy(
@@ -171,11 +190,12 @@ def linear_cross_entropy(
     softcap: float | None = None,
     logit_scale: float = 1.0,
     return_lse: bool = False,
+    return_argmax: bool = False,
     workspace_bytes: int | None = None,
     process_group=None,
     vocab_start: int | None = None,
     options=None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, ...]:
     r"""Cross entropy of ``input @ linear_weight.T (+ linear_bias)`` against ``target``, without the logits.
 
     The arguments and semantics of :func:`torch.nn.functional.linear_cross_entropy` (class-index targets),
@@ -206,6 +226,9 @@ def linear_cross_entropy(
         return_lse: also return the float32 log-sum-exp of the (scaled, capped) logits, shaped like ``target``.
             It is computed for every row, ignored rows included (their lse costs a forward-only pass over
             them, not gradient work), and carries a gradient.
+        return_argmax: also return each row's most likely class (int64, shaped like ``target``; the lowest index
+            on ties, -1 at ignored rows), from the same pass as the loss: token accuracy without logits
+            (``(argmax == target).sum() / (target != ignore_index).sum()``).
         workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 32 MiB on CPU);
             larger blocks run closer to the GEMM rate, smaller ones save memory. At least one row of logits
             is held (``V`` float32 values on CPU). With ``reduction='none'`` and a gradient, a CUDA budget with
@@ -221,13 +244,16 @@ def linear_cross_entropy(
         options: accepted for compatibility with torch's signature and ignored: this loss is always chunked.
 
     Returns:
-        The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with ``return_lse=True``.
+        The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with ``return_lse=True``, with
+        ``argmax`` appended to either with ``return_argmax=True``.
 
     For 'mean' and 'sum' the gradients are computed in the forward and held by the autograd graph until the
     backward: they are results, not saved activations, so ``torch.autograd.graph.saved_tensors_hooks``
     (activation offloading) does not see them.
     """
     if linear_weight.dim() > 2:
+        if return_argmax:
+            raise ValueError("linear_cross_entropy: return_argmax is not supported for a K-dimensional loss")
         return _k_dimensional(
             input,
             linear_weight,
@@ -256,12 +282,12 @@ def linear_cross_entropy(
         logit_scale=logit_scale,
         workspace_bytes=workspace_bytes,
         lse_of_ignored_rows=return_lse,
+        return_argmax=return_argmax,
         shard=shard,
     )
-    loss, lse, _, _ = _call(input, linear_weight, target, linear_bias, weight, options)
-    if return_lse:
-        return loss, lse
-    return loss
+    loss, lse, _, argmax = _call(input, linear_weight, target, linear_bias, weight, options)
+    outputs = (loss,) + ((lse,) if return_lse else ()) + ((argmax,) if return_argmax else ())
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 def _k_dimensional(

@@ -180,3 +180,31 @@ def test_gradient_kernels_match_on_cuda():
     want = torch.autograd.grad((lp * u1).sum() + (entropy * u2).sum(), [x64, w64, b64])
     for g, e in zip(got, want):
         assert rel_err(g, e) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_loss_returns_the_argmax_from_its_own_pass(device, reduction):
+    x, w, t, b = make_problem(67, 24, 301, dtype=torch.float64, device=device, bias=True)
+    _, _, want = reference(x, w, t, b)
+    xl, wl = leaves(x, w)
+    loss, lse, argmax = fused_ce.linear_cross_entropy(
+        xl, wl, t, linear_bias=b, reduction=reduction, return_lse=True, return_argmax=True
+    )
+    assert torch.equal(argmax, want) and argmax.dtype == torch.int64
+    only_loss, argmax_alone = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=b, reduction=reduction,
+                                                            return_argmax=True)  # fmt: skip
+    assert torch.equal(argmax_alone, want)
+    plain = fused_ce.linear_cross_entropy(*leaves(x, w), t, linear_bias=b, reduction=reduction)
+    torch.testing.assert_close(loss, plain)
+    torch.testing.assert_close(only_loss, plain)
+    # the argmax changes no gradient
+    got = torch.autograd.grad(loss.sum(), [xl, wl])
+    xp, wp = leaves(x, w)
+    want_grads = torch.autograd.grad(fused_ce.linear_cross_entropy(xp, wp, t, linear_bias=b, reduction=reduction).sum(),
+                                     [xp, wp])  # fmt: skip
+    for g, e in zip(got, want_grads):
+        torch.testing.assert_close(g, e)
+    with pytest.raises(ValueError, match="return_argmax"):
+        fused_ce.linear_cross_entropy(x, w.view(301, 1, 24).expand(301, 2, 24), t.view(-1, 1).expand(-1, 2),
+                                      return_argmax=True)  # fmt: skip

@@ -113,6 +113,30 @@ def test_shift_labels_and_logits_to_keep():
     torch.testing.assert_close(got, ref_loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # (gemma2: through its softcap)
+def test_token_accuracy_when_asked(family):
+    ref = tiny_model(family)
+    ids, labels = batch("cpu", rows=4)
+    with torch.no_grad():
+        predicted = ref(input_ids=ids).logits.argmax(-1)  # position t's most likely next token
+    g = torch.Generator().manual_seed(3)
+    hit = torch.rand(labels[:, 1:].shape, generator=g) < 0.5  # about half the labels are the model's own guess
+    labels[:, 1:] = torch.where((labels[:, 1:] != -100) & hit, predicted[:, :-1], labels[:, 1:])
+    counted = labels[:, 1:] != -100
+    want = ((predicted[:, :-1] == labels[:, 1:]) & counted).sum() / counted.sum()
+    model = apply(copy.deepcopy(ref), token_accuracy=True)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and 0.3 < want < 0.9
+    torch.testing.assert_close(out.token_accuracy, want.float())
+    torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()  # the accuracy has no gradient, the loss its own
+    assert not out.token_accuracy.requires_grad
+    assert torch.is_tensor(model(input_ids=ids, labels=labels, return_dict=False)[0])  # a tuple: no accuracy
+    assert "token_accuracy" not in apply(copy.deepcopy(ref))(input_ids=ids, labels=labels)  # only when asked
+    _, accuracy = ForCausalLMLoss(torch.randn(2, 5, 32), ref.lm_head.weight, labels[:2, :5], return_token_accuracy=True)
+    assert accuracy.shape == () and 0 <= accuracy <= 1
+
+
 def test_loss_function_signature_serves_the_hook():
     # the fused-linear loss transformers' kernel mapping calls: hidden states and the lm_head weight
     g = torch.Generator().manual_seed(0)

@@ -57,6 +57,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     final_logit_softcapping=None,
     lm_head_bias=None,
     logit_scale=1.0,
+    return_token_accuracy=False,
     **kwargs,
 ):
     """transformers' ``ForCausalLMLoss`` from the hidden states and the lm_head weight (the signature of the
@@ -64,14 +65,16 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
 
     ``hidden_states [..., T, D]`` and ``labels [..., T]``: position t predicts label t + 1 unless
     ``shift_labels`` is given. 'mean' over the counted tokens, or their sum divided by ``num_items_in_batch``.
-    The logits are ``softcap(logit_scale * (hidden @ W.T + b))``.
+    The logits are ``softcap(logit_scale * (hidden @ W.T + b))``. With ``return_token_accuracy``,
+    ``(loss, accuracy)``: the fraction of counted tokens whose label is the most likely token (float32, no
+    gradient; from the loss's own pass, no host read).
     """
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden_states.reshape(-1, lm_head_weight.shape[1])
     target = shift_labels.reshape(-1).to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = linear_cross_entropy(
+    out = linear_cross_entropy(
         hidden,
         lm_head_weight,
         target,
@@ -80,12 +83,18 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
         ignore_index=ignore_index,
         softcap=final_logit_softcapping,
         logit_scale=logit_scale,
+        return_argmax=return_token_accuracy,
     )
+    loss, argmax = out if return_token_accuracy else (out, None)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    return loss
+    if not return_token_accuracy:
+        return loss
+    counted = target != ignore_index
+    accuracy = ((argmax == target) & counted).sum().float() / counted.sum().clamp(min=1).float()
+    return loss, accuracy
 
 
 class Refused(TypeError):
@@ -260,13 +269,19 @@ def _fce_loss(model, *args, **kwargs):
     logits, labels = bound.pop("logits"), bound.pop("labels")
     bound.pop("vocab_size", None)
 
+    accuracy = getattr(model, _ACCURACY_ATTRIBUTE, None)  # a list where apply(token_accuracy=True) asked
+
     def loss(head, hidden):  # inside the head's call: its weight whole
         weight, bias = _lora_weight(head) if _lora_of(head) is not None else (head.weight, head.bias)
         weight, bias, softcap, logit_scale = logits.loss_arguments(weight, bias)
-        return ForCausalLMLoss(
+        out = ForCausalLMLoss(
             hidden, weight, labels, final_logit_softcapping=softcap, lm_head_bias=bias, logit_scale=logit_scale,
-            **bound,
+            return_token_accuracy=accuracy is not None, **bound,
         )  # fmt: skip
+        if accuracy is None:
+            return out
+        accuracy.append(out[1])  # (the head's call returns tensors only: engines' hooks see its output)
+        return out[0]
 
     return _route_through(logits.head)(logits.hidden, **{_LOSS_KEYWORD: loss})
 
@@ -543,7 +558,17 @@ def _fused_forward(cls):
             labels = args[names.index("labels")]
         if labels is None and kwargs.get("shift_labels") is None:
             return original(self, *args, **kwargs)
-        return rewritten(self, *args, **kwargs)
+        if not getattr(self, _ASKS_ACCURACY, False):
+            return rewritten(self, *args, **kwargs)
+        setattr(self, _ACCURACY_ATTRIBUTE, [])  # _fce_loss appends this call's accuracy
+        try:
+            out = rewritten(self, *args, **kwargs)
+            accuracy = getattr(self, _ACCURACY_ATTRIBUTE)
+        finally:
+            delattr(self, _ACCURACY_ATTRIBUTE)
+        if accuracy and not isinstance(out, tuple):  # a ModelOutput (return_dict=False gives a plain tuple)
+            out["token_accuracy"] = accuracy[-1]
+        return out
 
     forward._fused_ce_original = original
     forward._fused_ce_head = head
@@ -597,20 +622,30 @@ def _check_head_construction(cls, head):
     )
 
 
-def apply(model):
+# apply(token_accuracy=True) sets the first on the model (or class); a call with labels then holds a list in the
+# second while it runs, into which the loss puts the call's token accuracy.
+_ASKS_ACCURACY = "_fused_ce_token_accuracy"
+_ACCURACY_ATTRIBUTE = "_fused_ce_token_accuracies"
+
+
+def apply(model, *, token_accuracy=False):
     """Switch a causal LM to fused_ce's loss, in place, and return it.
 
     ``model``: an instance (only it is switched), a class (every instance), or a family name from ``FAMILIES``;
     a PEFT model (``get_peft_model``) is switched inside (LoRA adapters anywhere, the lm_head's included).
+    ``token_accuracy``: a call with labels also returns ``outputs.token_accuracy``, the fraction of counted
+    tokens whose label is the most likely token (what trainers log as ``mean_token_accuracy``; float32, on the
+    device, from the loss's own pass: the logits are still never built). Per call, so per rank and micro-batch.
     Raises ``Refused`` (a TypeError) naming what the model's forward does that fused_ce cannot reproduce.
     """
     if isinstance(model, str):
         model = _model_class(model)
     base = _unwrapped(model)
     if base is not model:  # a PEFT model: its causal LM is switched (LoRA on the lm_head too)
-        apply(base)
+        apply(base, token_accuracy=token_accuracy)
         return model
     check(model)
+    setattr(model, _ASKS_ACCURACY, bool(token_accuracy))
     cls = model if isinstance(model, type) else type(model)
     current = cls.forward if isinstance(model, type) else model.forward
     if getattr(current, "_fused_ce_original", None) is not None:
