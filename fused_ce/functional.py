@@ -391,7 +391,7 @@ def linear_log_probs(
             logits.
         process_group: vocabulary parallel, as in :func:`linear_cross_entropy` (the entropy and argmax are
             combined over the shards); DTensors need none.
-        workspace_bytes: as in :func:`linear_cross_entropy`. On CUDA, room for every counted row's logits
+        workspace_bytes: as in :func:`linear_cross_entropy`. On CUDA, room for every row's logits
             (``N x V`` in the input dtype) keeps them from the forward for the backward: 6NDV flops in all
             instead of 8NDV, that memory held in between.
 
