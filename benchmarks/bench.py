@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, plan_summary
+from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, plan_summary, workspace_gib
 
 
 def torch_eager(x, w, t):
@@ -100,18 +100,7 @@ def measure(method, x, w, t, ref, warmup, repeat):
     torch.cuda.synchronize()
     errs = {"loss": rel_err(loss.detach(), ref[0]), "dX": rel_err(xl.grad, ref[1]), "dW": rel_err(wl.grad, ref[2])}
     ms = cuda_time_ms(fwd_bwd, warmup, repeat)
-    # workspace: peak during one fwd+bwd above inputs, minus the gradients it returns
-    xl.grad = wl.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    grads = xl.grad.numel() * xl.grad.element_size() + wl.grad.numel() * wl.grad.element_size()
-    workspace = max(0, peak - base - grads)
-    xl.grad = wl.grad = None
-    return ms, workspace / 2**30, errs
+    return ms, workspace_gib(fwd_bwd, (xl, wl)), errs
 
 
 def loss_only_ms(x, w, t, warmup, repeat):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs
+from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, workspace_gib
 
 
 def torch_log_probs(x, w, t, entropy=False):
@@ -235,15 +235,7 @@ def measure(fn, x, w, t, extra, warmup, repeat, grad):
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - begin) * 1e3  # this shape's first call (compilation, for torch.compile)
     ms = cuda_time_ms(step, warmup, repeat)
-    xl.grad = wl.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    grads = sum(g.numel() * g.element_size() for g in (xl.grad, wl.grad) if g is not None)
-    workspace = max(0, torch.cuda.max_memory_allocated() - base - grads) / 2**30
-    return ms, workspace, value, first_ms
+    return ms, workspace_gib(step, (xl, wl)), value, first_ms
 
 
 def main():

@@ -55,6 +55,23 @@ def cuda_time_ms(fn, warmup, repeat):
     return statistics.median(times)
 
 
+def workspace_gib(step, leaves):
+    """GiB that one call of ``step`` (fwd+bwd) allocates at its peak beyond what was allocated before it, less the
+    gradients it leaves in ``leaves``' ``.grad``: what the method holds besides inputs and results."""
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grads = sum(leaf.grad.numel() * leaf.grad.element_size() for leaf in leaves if leaf.grad is not None)
+    workspace = max(0, torch.cuda.max_memory_allocated() - base - grads)
+    for leaf in leaves:
+        leaf.grad = None
+    return workspace / 2**30
+
+
 def environment():
     import triton  # only to report the version the peers use
 
