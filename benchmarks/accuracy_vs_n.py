@@ -1,12 +1,19 @@
 """Errors of the loss, dX and dW against float32 as N grows: fused_ce and torch eager, both bf16.
 
     python benchmarks/accuracy_vs_n.py [--ns 16384,32768,65536] [--d 4096] [--v 128256]
+                                       [--loss mean|per_token] [--dtypes bfloat16,float16]
 
 The float32 reference and torch eager's gradients are computed a block of rows at a time so that
 N = 65536 fits: eager's logit gradient is formed per block in bf16 as autograd forms it (float32
 softmax, one rounding) into one [N, V] bf16 tensor, then multiplied back by one GEMM each for dX and
 dW, which is what `F.cross_entropy(F.linear(x, w).float(), t).backward()` computes. Prints a table,
 writes accuracy_vs_n.{json,md,png} to --out.
+
+--loss per_token: the RL objective of issue 22, `sum(adv * log_probs) + 0.01 * sum(entropy)` with per-token
+advantages, through `fused_ce.linear_log_probs(..., return_entropy=True)` in its default workspace; errors of
+the log-probs, the entropy, dX and dW against float64 (every product and the softmax in float64), fused_ce's
+and torch eager's (logits from `dtype` operands upcast to float32, their gradient rounded to `dtype` once, one
+GEMM each for dX and dW), for each of --dtypes. Writes accuracy_per_token.{json,md,png}.
 """
 
 import argparse
@@ -58,6 +65,119 @@ def reference(x, w, t, dtype):
     return (loss / counted).float(), dx, dw
 
 
+def per_token_objective(logits, t, adv):
+    log_p = logits.log_softmax(-1)
+    valid = t != -100
+    lp = torch.where(valid, log_p.gather(-1, t.clamp_min(0).unsqueeze(-1)).squeeze(-1), 0.0)
+    entropy = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
+    return lp, entropy, (adv * lp).sum() + 0.01 * entropy.sum()
+
+
+def per_token_reference(x, w, t, adv, dtype):
+    """log-probs, entropy, dX, dW of the per-token objective. dtype=float64: the reference; a half dtype: torch
+    eager's numerics (float32 softmax, the logit gradient rounded to `dtype`, one GEMM each for dX and dW)."""
+    exact = dtype == torch.float64
+    xd, wd = x.to(dtype), w.to(dtype)
+    lp = torch.empty(x.shape[0], device=x.device, dtype=torch.float64 if exact else torch.float32)
+    entropy = torch.empty_like(lp)
+    if exact:
+        dx = torch.empty(x.shape, device=x.device, dtype=torch.float64)
+        dw = torch.zeros(w.shape, device=x.device, dtype=torch.float64)
+    else:
+        grad_logits = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=dtype)
+    for r0 in range(0, x.shape[0], BLOCK):
+        rows = slice(r0, r0 + BLOCK)
+        logits = xd[rows] @ wd.T
+        logits = (logits if exact else logits.float()).requires_grad_()
+        block_lp, block_entropy, objective = per_token_objective(logits, t[rows], adv[rows].to(logits.dtype))
+        (g,) = torch.autograd.grad(objective, logits)
+        lp[rows], entropy[rows] = block_lp.detach(), block_entropy.detach()
+        if exact:
+            dx[rows] = g @ wd
+            dw.addmm_(g.T, xd[rows])
+        else:
+            grad_logits[rows] = g.to(dtype)
+    if not exact:
+        dx, dw = grad_logits @ wd, grad_logits.T @ xd
+    return lp, entropy, dx, dw
+
+
+def fused_per_token(x, w, t, adv):
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    out = fused_ce.linear_log_probs(xg, wg, t, return_entropy=True)
+    ((adv * out.log_probs).sum() + 0.01 * out.entropy.sum()).backward()
+    return out.log_probs.detach(), out.entropy.detach(), xg.grad, wg.grad
+
+
+def per_token_main(args):
+    names = ("log_probs", "entropy", "dX", "dW")
+    rows = []
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        for n in map(int, args.ns.split(",")):
+            x, w, t = make_inputs(n, args.d, args.v, "cuda", dtype=dtype, seed=n)
+            adv = torch.randn(n, device="cuda")
+            xl = x.detach().requires_grad_()
+            back = fused_ce.plan(xl, w, t, pass_="backward", reduction="none")
+            tiles = f"{back.strategy} {back.block_rows} x {back.tile_cols}"
+            ref = per_token_reference(x, w, t, adv.double(), torch.float64)
+            eager = per_token_reference(x, w, t, adv, dtype)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ours = fused_per_token(x, w, t, adv)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            row = dict(dtype=str(dtype).removeprefix("torch."), N=n, backward=tiles, peak_GiB=round(peak, 2))
+            for name, o, e, r in zip(names, ours, eager, ref):
+                row[name] = dict(fused_ce=rel_err(o, r), torch=rel_err(e, r))
+            rows.append(row)
+            del x, w, t, ref, eager, ours
+            torch.cuda.empty_cache()
+    header = (
+        "| dtype | N | backward tiles | fused_ce peak (GiB) | "
+        + " | ".join(f"{k}: fused_ce / torch" if i == 0 else k for i, k in enumerate(names))
+        + " |"
+    )
+    lines = [header, "|" + "---|" * (4 + len(names))]
+    for r in rows:
+        cells = [
+            f"{r[k]['fused_ce']:.2e} / {r[k]['torch']:.2e} ({r[k]['fused_ce'] / r[k]['torch']:.2f}x)" for k in names
+        ]
+        lines.append(f"| {r['dtype']} | {r['N']} | {r['backward']} | {r['peak_GiB']} | " + " | ".join(cells) + " |")
+    title = (
+        f"D={args.d}, V={args.v}, sum(adv * log_probs) + 0.01 * sum(entropy), 10% ignored; "
+        "relative norm error against float64"
+    )
+    write(args, "accuracy_per_token", title, lines, rows, names, series=lambda r: f"{r['dtype']} N")
+
+
+def write(args, stem, title, lines, rows, names, series=None):
+    env = environment()
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(f"# {title}\n\n{env['date']}, {env['device']}, torch {env['torch']}\n\n{table}\n")
+    (out / f"{stem}.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5))
+    groups = sorted({r.get("dtype", "") for r in rows})
+    for ax, k in zip(axes, names):
+        for group in groups:
+            part = [r for r in rows if r.get("dtype", "") == group]
+            for method in ("fused_ce", "torch"):
+                label = f"{method} {group}".strip()
+                ax.plot([r["N"] for r in part], [r[k][method] for r in part], marker="o", label=label)
+        ax.set(title=k, xscale="log", xlabel="N", ylabel="relative error")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=120)
+
+
 def fused(x, w, t):
     xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
     loss = fused_ce.linear_cross_entropy(xg, wg, t)
@@ -70,9 +190,13 @@ def main():
     parser.add_argument("--ns", default="16384,32768,65536")
     parser.add_argument("--d", type=int, default=4096)
     parser.add_argument("--v", type=int, default=128256)
+    parser.add_argument("--loss", choices=("mean", "per_token"), default="mean")
+    parser.add_argument("--dtypes", default="bfloat16,float16", help="per_token: the input dtypes")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.loss == "per_token":
+        return per_token_main(args)
     rows = []
     for n in map(int, args.ns.split(",")):
         x, w, t = make_inputs(n, args.d, args.v, "cuda", seed=n)
@@ -101,31 +225,8 @@ def main():
             for k in ("loss", "dX", "dW")
         ]
         lines.append(f"| {r['N']} | {r['dW_accumulation']} | {r['peak_GiB']} | " + " | ".join(cells) + " |")
-    env = environment()
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     title = f"bf16, D={args.d}, V={args.v}, mean loss, 10% ignored; relative norm error against float32"
-    (out / "accuracy_vs_n.md").write_text(
-        f"# {title}\n\n{env['date']}, {env['device']}, torch {env['torch']}\n\n{table}\n"
-    )
-    (out / "accuracy_vs_n.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    ns = [r["N"] for r in rows]
-    for ax, k in zip(axes, ("loss", "dX", "dW")):
-        for method in ("fused_ce", "torch"):
-            ax.plot(ns, [r[k][method] for r in rows], marker="o", label=method)
-        ax.set(title=k, xscale="log", xlabel="N", ylabel="relative error")
-        ax.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_n.png", dpi=120)
+    write(args, "accuracy_vs_n", title, lines, rows, ("loss", "dX", "dW"))
 
 
 if __name__ == "__main__":

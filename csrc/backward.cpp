@@ -1,4 +1,4 @@
-// Pass::Backward: the gradients from blocks of recomputed logits (StoredLogits:
+// Pass::Backward: the gradients from blocks of recomputed logits (StoredLogits, VocabTiles:
 // cuBLAS logits turned into their gradient in place; AtenChunks: ATen in the loss
 // dtype; DotTiles: the logit_grad kernel), multiplied back through w and x by GEMMs.
 #include <algorithm>
@@ -78,8 +78,10 @@ void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at
 
 namespace {
 
-// StoredLogits: per row block, cuBLAS logits (or those the forward kept) turned into their gradient in place
-// (softmax_grad, given the rows' lse), multiplied back by cuBLAS; each row's dX is written once.
+// StoredLogits and VocabTiles: per tile of the plan (block_rows x tile_cols; whole rows for StoredLogits), cuBLAS
+// logits (or those the forward kept) turned into their gradient in place (softmax_grad, given the rows' lse),
+// multiplied back by cuBLAS. A block's selected rows are gathered once for all its slices; dX accumulates over
+// the slices (once per row with whole rows), dW over the row blocks.
 Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                          GradMask need, const at::Tensor& kept = {}) {
   const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
@@ -89,22 +91,27 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
   // coefficients take logits_scale, so that the blocks hold the gradient itself.
   const GradCoefficients scaled = plan.logits_scale == 1.0 ? c : c.scaled(plan.logits_scale);
   const Problem stored = reading_stored_logits(p, plan);
-  at::Tensor buffer = kept.defined() ? kept : at::empty({plan.block_rows, p.V}, p.x.options());
+  const int64_t cols = plan.tile_cols;
+  TORCH_CHECK(!kept.defined() || cols == p.V, "fused_ce: kept logits are whole rows");
+  const at::Tensor buffer = kept.defined() ? at::Tensor() : at::empty({plan.block_rows * cols}, p.x.options());
   at::Tensor gx_buffer;
   for (int64_t r0 = 0; r0 < p.N; r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
     const Problem pr = stored.rows(r0, r1);
     const GradCoefficients cr = scaled.rows(r0, r1);
-    at::Tensor block = kept.defined() ? kept.narrow(0, r0, r1 - r0) : buffer.narrow(0, 0, r1 - r0);
-    if (!kept.defined()) logits_into(pr, block, plan.logits_scale);
-    cuda_softmax_grad(pr, cr, cr.lse, block, o.smoothing());
-    if (need_x) {
-      const at::Tensor gx = input_grad_rows(p, g.input, gx_buffer, r0, r1);
-      gemm_into(gx, block, p.w, /*accumulate=*/false);
-      scatter_input_grad(p, g.input, gx, r0);
+    const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
+    for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
+      const int64_t v1 = std::min(p.V, v0 + cols);
+      const Problem pt = cols == p.V ? pr : pr.cols(v0, v1);
+      at::Tensor block = kept.defined() ? kept.narrow(0, r0, r1 - r0)
+                                        : buffer.narrow(0, 0, pt.N * pt.V).view({pt.N, pt.V});  // contiguous
+      if (!kept.defined()) logits_into(pt, block, plan.logits_scale);
+      cuda_softmax_grad(pt, cr, cr.lse, block, o.smoothing());
+      if (need_x) gemm_into(gx, block, pt.w, /*accumulate=*/v0 > 0);
+      if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), pr.x, /*accumulate=*/r0 > 0);
+      if (need_b) g.bias.narrow(0, v0, v1 - v0).add_(block.sum(0, false, loss_dtype(p)));
     }
-    if (need_w) gemm_into(g.weight, block.t(), pr.x, r0 > 0);
-    if (need_b) g.bias.add_(block.sum(0, false, loss_dtype(p)));
+    if (need_x) scatter_input_grad(p, g.input, gx, r0);
   }
   return g;
 }
@@ -125,7 +132,8 @@ Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan&
 
 Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                        GradMask need) {
-  if (plan.strategy == Strategy::StoredLogits) return stored_logit_grads(p, o, plan, c, need);
+  if (plan.strategy == Strategy::StoredLogits || plan.strategy == Strategy::VocabTiles)
+    return stored_logit_grads(p, o, plan, c, need);
   const bool dot_tiles = plan.strategy == Strategy::DotTiles;
   TORCH_CHECK(dot_tiles || plan.strategy == Strategy::AtenChunks,
               "fused_ce: the backward has no executor for strategy ", strategy_name(plan.strategy));

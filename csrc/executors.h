@@ -28,8 +28,8 @@ using GradMask = std::array<bool, 3>;
 RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan, const at::Tensor& kept = {});
 
 // backward.cpp: the gradients, recomputing the logits, for coefficients `c`
-// with c.lse set (Pass::Backward; StoredLogits, AtenChunks, DotTiles); for Pass::BackwardFromLogits, from the
-// logits the forward kept (forward_stats), turned into their gradient in place.
+// with c.lse set (Pass::Backward; StoredLogits, VocabTiles, AtenChunks, DotTiles); for Pass::BackwardFromLogits, from
+// the logits the forward kept (forward_stats), turned into their gradient in place.
 Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                        GradMask need);
 Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,

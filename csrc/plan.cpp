@@ -166,6 +166,43 @@ at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::Sca
   return blocks > kInputDtypeAccumulations && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
+// Pass::Backward's tiles of stored logits: `rows` rows x `cols` columns of the vocabulary (cols = V: row blocks
+// of whole rows). The lse is known, so a tile needs no other columns of its rows. Row blocks re-read and
+// re-write dW (V x D) once per block beyond the first; vocabulary slices re-read and re-write their rows' dX
+// once per slice beyond the first. Where V x D is the larger (large vocabularies), slices move less: at A in
+// 0.5 GiB, 8 slices of all 16384 rows move 1.9 GB of dX instead of 8 row blocks' 14.7 GB of dW. Up to
+// kInputDtypeAccumulations slices (dX accumulates in the input dtype, as dW does over as many blocks), the
+// count that moves the fewest bytes; `row_block_rows`: the row blocks' rows.
+struct Tiles {
+  int64_t rows = 0, cols = 0;
+};
+
+Tiles backward_tiles(const Problem& p, const LossOptions& o, const ArchConstants& arch, int64_t budget,
+                     int64_t gathered, int64_t row_block_rows) {
+  const at::ScalarType dtype = p.x.scalar_type();
+  const int64_t elem = c10::elementSize(dtype);
+  const auto moved_bytes = [&](int64_t rows, int64_t slices) {
+    const int64_t blocks = cdiv(p.N, rows);
+    const double dw = (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(grad_weight_dtype(p, o, dtype, blocks));
+    return dw + (slices - 1) * 2.0 * p.N * p.D * elem;
+  };
+  Tiles best{row_block_rows, p.V};
+  double best_bytes = moved_bytes(row_block_rows, 1);
+  for (int64_t slices = 2; slices <= kInputDtypeAccumulations; ++slices) {
+    const int64_t cols = cdiv(cdiv(p.V, slices), 16) * 16;  // aligned rows for the kernels and cuBLAS
+    if (cdiv(p.V, cols) != slices || cols < 4 * arch.gemm_tile_rows) continue;
+    const int64_t capacity = std::min<int64_t>(p.N, budget / (cols * elem + gathered));
+    if (capacity < arch.min_stored_rows && capacity < p.N) continue;  // GEMMs of few rows run below their rate
+    const int64_t rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
+    const double bytes = moved_bytes(rows, slices);
+    if (bytes < best_bytes) {
+      best = {rows, cols};
+      best_bytes = bytes;
+    }
+  }
+  return best;
+}
+
 void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selected) {
   const ArchConstants& arch = arch_constants(device_arch(p.x.device().index()));
   const bool half = p.x.scalar_type() == at::kHalf;
@@ -196,8 +233,15 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
     return;
   }
   if (plan.pass == Pass::Backward) {
-    if (stored) {  // the gradient blocks from cuBLAS logits, each row's dX written once
-      stored_logits(balanced_block_rows(p.N, capacity, arch.gemm_tile_rows));
+    if (stored) {  // the gradient tiles from cuBLAS logits: row blocks (each row's dX written once) or slices
+      const Tiles tiles = backward_tiles(p, o, arch, plan.budget_bytes, gathered,
+                                         balanced_block_rows(p.N, capacity, arch.gemm_tile_rows));
+      stored_logits(tiles.rows);
+      if (tiles.cols < p.V) {
+        plan.strategy = Strategy::VocabTiles;
+        plan.tile_cols = tiles.cols;
+        plan.workspace_bytes = tiles.rows * (tiles.cols * int64_t{c10::elementSize(p.x.scalar_type())} + gathered);
+      }
       plan.grad_input_dtype = plan.logits_dtype;
       plan.grad_weight_dtype = grad_weight_dtype(p, o, plan.logits_dtype, cdiv(p.N, plan.block_rows));
     } else {
@@ -263,16 +307,23 @@ double estimated_seconds(const Plan& plan, const Problem& p, const ArchConstants
   const bool grads = plan.pass != Pass::Forward;
   const double gemm_flops = (grads ? 6.0 : 2.0) * static_cast<double>(plan.rows) * p.D * p.V;
   const int64_t blocks = plan.block_rows > 0 ? cdiv(plan.rows, plan.block_rows) : 0;
+  const int64_t slices = plan.tile_cols > 0 ? cdiv(p.V, plan.tile_cols) : 1;
   const double dw_bytes = grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
                               ? (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(plan.grad_weight_dtype)
                               : 0.0;
-  return gemm_flops / arch.gemm_flops_per_s + dw_bytes / arch.memory_bytes_per_s;
+  const double dx_bytes = grads && slices > 1 && plan.grad_input_dtype != at::ScalarType::Undefined
+                              ? (slices - 1) * 2.0 * plan.rows * p.D * c10::elementSize(plan.grad_input_dtype)
+                              : 0.0;
+  return gemm_flops / arch.gemm_flops_per_s + (dw_bytes + dx_bytes) / arch.memory_bytes_per_s;
 }
 
 // Whether the counted rows' plan beats all rows': less estimated time, no larger dW accumulator, and a strategy
-// that gathers rows block by block (the lean ones, vocab_tiles and dot_tiles, would gather every row at once).
+// that gathers rows block by block (the lean ones, dot_tiles and the forward with gradient's vocab_tiles, would
+// gather every row at once; the backward's vocab_tiles gather each block's rows once for all its slices).
 bool counted_rows_pay(const Plan& counted, const Plan& all, const Problem& p) {
-  if (counted.strategy != Strategy::StoredLogits && counted.strategy != Strategy::AtenChunks) return false;
+  const bool gathers_blocks = counted.strategy == Strategy::StoredLogits || counted.strategy == Strategy::AtenChunks ||
+                              (counted.strategy == Strategy::VocabTiles && counted.pass == Pass::Backward);
+  if (!gathers_blocks) return false;
   if (counted.grad_weight_dtype != all.grad_weight_dtype &&
       c10::elementSize(counted.grad_weight_dtype) > c10::elementSize(all.grad_weight_dtype)) {
     return false;

@@ -32,10 +32,12 @@ enum class Strategy {
   // with no room for cuBLAS-sized blocks) or turned into gradient blocks
   // (logit_grad: the recomputing backward).
   DotTiles,
-  // Lean workspaces, forward with gradient: a stored-logits stats pass, then
-  // 2-D tiles (block_rows x tile_cols) of recomputed logits turned into their
+  // 2-D tiles (block_rows x tile_cols) of cuBLAS logits turned into their
   // gradient, so dW is re-read once per block_rows rows instead of once per
-  // short row block (8NDV of GEMM work instead of 6NDV).
+  // short row block, and dX once per vocabulary slice. The backward (the lse
+  // known): where that moves fewer bytes than row blocks (backward_tiles in
+  // plan.cpp). Lean workspaces, forward with gradient: after a stored-logits
+  // stats pass (8NDV of GEMM work instead of 6NDV).
   VocabTiles,
 };
 
