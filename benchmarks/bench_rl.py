@@ -65,6 +65,28 @@ def policy_objective(lp, adv, old, ref, weights, clip=0.2, beta=0.04, entropy=No
 KEEP_LOGITS = 6 << 30
 
 
+LIGER_SCALED = "liger-kernel scaled CE (CuTe DSL, SM90)"
+
+
+def liger_scaled_cross_entropy():
+    """Liger's fused linear scaled cross-entropy (per-token NLL and entropy) where it runs its SM90 CuTe DSL
+    kernels: Liger installed, the CUTLASS DSL importable, an sm_90 device. Else None (its fallback on other
+    devices is a chunked torch loop, not the kernel the issue compares with)."""
+    try:
+        import cutlass.cute  # noqa: F401
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+    except ImportError as e:
+        print(f"({LIGER_SCALED} not measured: {e})")
+        return None
+    if torch.cuda.get_device_capability() != (9, 0):
+        return None
+
+    def apply(x, w, t, return_entropy=False):
+        return LigerFusedLinearScaledCrossEntropyFunction.apply(x, w, t, return_entropy=return_entropy)
+
+    return apply
+
+
 def methods_for(workload):
     import fused_ce
 
@@ -182,6 +204,20 @@ def methods_for(workload):
             table["grpo"]["liger-kernel LigerFusedLinearGRPOLoss"] = liger_policy
         except ImportError:
             pass
+    scaled_ce = liger_scaled_cross_entropy()
+    if scaled_ce is not None and workload in ("nll", "nll_entropy", "forward", "log_probs"):
+        entropy = workload != "nll" and workload != "log_probs"
+
+        def liger_scaled(x, w, t, adv):
+            out = scaled_ce(x, w, t, return_entropy=entropy)
+            nll, ent = out if entropy else (out, None)
+            if workload == "nll":
+                return (adv * nll).sum()
+            if workload == "nll_entropy":
+                return (adv * -nll).sum() + 0.01 * ent.float().sum()
+            return -nll.sum() + (ent.float().sum() if entropy else 0)
+
+        table[workload][LIGER_SCALED] = liger_scaled
     if workload == "nll":
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

@@ -35,7 +35,7 @@ if [ -n "${WHEELS:-}" ]; then
   # from outside the source tree, then each run of $RUNS with the wheel it names.
   for dir in .wheels/*/; do  # before, after, and any other set (a peer's other version) in its own site
     which=$(basename "$dir")
-    ls "$dir"*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index --target /tmp/site_$which "$dir"*.whl
+    ls "$dir"*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site_$which "$dir"*.whl
   done
   repo=$(pwd)
   start=$(date +%s)

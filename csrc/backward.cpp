@@ -80,8 +80,9 @@ namespace {
 
 // StoredLogits and VocabTiles: per tile of the plan (block_rows x tile_cols; whole rows for StoredLogits), cuBLAS
 // logits (or those the forward kept) turned into their gradient in place (softmax_grad, given the rows' lse),
-// multiplied back by cuBLAS. A block's selected rows are gathered once for all its slices; dX accumulates over
-// the slices (once per row with whole rows), dW over the row blocks.
+// multiplied back by cuBLAS. A block's selected rows are gathered once for all its slices; a block's dX is
+// one product of whole rows, or its slices' products summed in float32 (backward_tiles); dW accumulates over
+// the row blocks.
 Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                          GradMask need, const at::Tensor& kept = {}) {
   const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
@@ -94,12 +95,18 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
   const int64_t cols = plan.tile_cols;
   TORCH_CHECK(!kept.defined() || cols == p.V, "fused_ce: kept logits are whole rows");
   const at::Tensor buffer = kept.defined() ? at::Tensor() : at::empty({plan.block_rows * cols}, p.x.options());
+  const bool sliced = cols < p.V;
   at::Tensor gx_buffer;
+  const at::Tensor gx_sums = need_x && sliced
+                                 ? at::empty({std::min(plan.block_rows, p.N), p.D}, p.x.options().dtype(at::kFloat))
+                                 : at::Tensor();
   for (int64_t r0 = 0; r0 < p.N; r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
     const Problem pr = stored.rows(r0, r1);
     const GradCoefficients cr = scaled.rows(r0, r1);
-    const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
+    const at::Tensor gx = !need_x  ? at::Tensor()
+                          : sliced ? gx_sums.narrow(0, 0, r1 - r0)
+                                   : input_grad_rows(p, g.input, gx_buffer, r0, r1);
     for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
       const int64_t v1 = std::min(p.V, v0 + cols);
       const Problem pt = cols == p.V ? pr : pr.cols(v0, v1);
@@ -111,7 +118,11 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
       if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), pr.x, /*accumulate=*/r0 > 0);
       if (need_b) g.bias.narrow(0, v0, v1 - v0).add_(block.sum(0, false, loss_dtype(p)));
     }
-    if (need_x) scatter_input_grad(p, g.input, gx, r0);
+    if (need_x && sliced && !p.row_index.defined()) {
+      g.input.narrow(0, r0, r1 - r0).copy_(gx);
+    } else if (need_x) {
+      scatter_input_grad(p, g.input, gx.to(g.input.scalar_type()), r0);
+    }
   }
   return g;
 }

@@ -17,8 +17,14 @@ namespace {
 constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
 constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
 // Row blocks whose dW sums may be added in the input dtype: at D = 4096, V = 128256
-// in bf16, 8 such additions leave dW's error 1.35x torch's single rounding, 16 leave 2x.
-constexpr int64_t kInputDtypeAccumulations = 8;
+// in bf16, 8 such additions leave dW's error 1.35x torch's single rounding, 16 leave 2x;
+// float16's grow faster (1.33x after 3 additions, 1.57x after 6: benchmarks/results/2026-12-01/
+// accuracy_per_token_s10_first.md), so it adds 4 at most.
+int64_t input_dtype_accumulations(at::ScalarType dtype) {
+  return dtype == at::kHalf ? 4 : 8;
+}
+// Vocabulary slices of the backward (backward_tiles): at most this many, their dX summed in float32.
+constexpr int64_t kMaxSlices = 8;
 
 int64_t cdiv(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -156,42 +162,46 @@ void plan_dot_tile_grads(Plan& plan, const Problem& p) {
 }
 
 // The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
-// more) up to kInputDtypeAccumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
+// more) up to input_dtype_accumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
 // V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
 // within 1.5x of one rounding at any N (benchmarks/LOG.md, step 18). An explicit workspace_bytes smaller
 // than that accumulator is a lean request: it keeps the input dtype, trading dW's accuracy for memory.
 at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
   const int64_t accumulator_bytes = p.V * p.D * int64_t{4};
   const bool lean = o.workspace_bytes.has_value() && *o.workspace_bytes < accumulator_bytes;
-  return blocks > kInputDtypeAccumulations && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
+  return blocks > input_dtype_accumulations(dtype) && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
 // Pass::Backward's tiles of stored logits: `rows` rows x `cols` columns of the vocabulary (cols = V: row blocks
 // of whole rows). The lse is known, so a tile needs no other columns of its rows. Row blocks re-read and
 // re-write dW (V x D) once per block beyond the first; vocabulary slices re-read and re-write their rows' dX
-// once per slice beyond the first. Where V x D is the larger (large vocabularies), slices move less: at A in
-// 0.5 GiB, 8 slices of all 16384 rows move 1.9 GB of dX instead of 8 row blocks' 14.7 GB of dW. Up to
-// kInputDtypeAccumulations slices (dX accumulates in the input dtype, as dW does over as many blocks), the
-// count that moves the fewest bytes; `row_block_rows`: the row blocks' rows.
+// once per slice beyond the first, summed in a float32 buffer of the block's rows (in bf16 5 slices' sums
+// left dX's error 1.6-1.8x torch's single rounding: accuracy_per_token_s10_first.md), which a block of
+// selected rows also needs its x gathered beside. Where V x D is the larger (large vocabularies), slices move
+// less. Up to kMaxSlices slices, the count that moves the fewest bytes; `row_block_rows`: the row blocks' rows.
 struct Tiles {
   int64_t rows = 0, cols = 0;
 };
 
-Tiles backward_tiles(const Problem& p, const LossOptions& o, const ArchConstants& arch, int64_t budget,
-                     int64_t gathered, int64_t row_block_rows) {
+int64_t slice_row_bytes(const Problem& p, int64_t cols, bool selected) {
+  const int64_t elem = c10::elementSize(p.x.scalar_type());
+  return cols * elem + (selected ? p.D * elem : 0) + p.D * int64_t{sizeof(float)};
+}
+
+Tiles backward_tiles(const Problem& p, const LossOptions& o, const ArchConstants& arch, int64_t budget, bool selected,
+                     int64_t row_block_rows) {
   const at::ScalarType dtype = p.x.scalar_type();
-  const int64_t elem = c10::elementSize(dtype);
   const auto moved_bytes = [&](int64_t rows, int64_t slices) {
     const int64_t blocks = cdiv(p.N, rows);
     const double dw = (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(grad_weight_dtype(p, o, dtype, blocks));
-    return dw + (slices - 1) * 2.0 * p.N * p.D * elem;
+    return dw + (slices - 1) * 2.0 * p.N * p.D * sizeof(float);
   };
   Tiles best{row_block_rows, p.V};
   double best_bytes = moved_bytes(row_block_rows, 1);
-  for (int64_t slices = 2; slices <= kInputDtypeAccumulations; ++slices) {
+  for (int64_t slices = 2; slices <= kMaxSlices; ++slices) {
     const int64_t cols = cdiv(cdiv(p.V, slices), 16) * 16;  // aligned rows for the kernels and cuBLAS
     if (cdiv(p.V, cols) != slices || cols < 4 * arch.gemm_tile_rows) continue;
-    const int64_t capacity = std::min<int64_t>(p.N, budget / (cols * elem + gathered));
+    const int64_t capacity = std::min<int64_t>(p.N, budget / slice_row_bytes(p, cols, selected));
     if (capacity < arch.min_stored_rows && capacity < p.N) continue;  // GEMMs of few rows run below their rate
     const int64_t rows = balanced_block_rows(p.N, capacity, arch.gemm_tile_rows);
     const double bytes = moved_bytes(rows, slices);
@@ -234,13 +244,13 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
   }
   if (plan.pass == Pass::Backward) {
     if (stored) {  // the gradient tiles from cuBLAS logits: row blocks (each row's dX written once) or slices
-      const Tiles tiles = backward_tiles(p, o, arch, plan.budget_bytes, gathered,
+      const Tiles tiles = backward_tiles(p, o, arch, plan.budget_bytes, selected,
                                          balanced_block_rows(p.N, capacity, arch.gemm_tile_rows));
       stored_logits(tiles.rows);
       if (tiles.cols < p.V) {
         plan.strategy = Strategy::VocabTiles;
         plan.tile_cols = tiles.cols;
-        plan.workspace_bytes = tiles.rows * (tiles.cols * int64_t{c10::elementSize(p.x.scalar_type())} + gathered);
+        plan.workspace_bytes = tiles.rows * slice_row_bytes(p, tiles.cols, selected);
       }
       plan.grad_input_dtype = plan.logits_dtype;
       plan.grad_weight_dtype = grad_weight_dtype(p, o, plan.logits_dtype, cdiv(p.N, plan.block_rows));
@@ -311,9 +321,8 @@ double estimated_seconds(const Plan& plan, const Problem& p, const ArchConstants
   const double dw_bytes = grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
                               ? (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(plan.grad_weight_dtype)
                               : 0.0;
-  const double dx_bytes = grads && slices > 1 && plan.grad_input_dtype != at::ScalarType::Undefined
-                              ? (slices - 1) * 2.0 * plan.rows * p.D * c10::elementSize(plan.grad_input_dtype)
-                              : 0.0;
+  // (the backward's slices sum dX in float32; the tl.dot tiles' dX is float32)
+  const double dx_bytes = grads && slices > 1 ? (slices - 1) * 2.0 * plan.rows * p.D * sizeof(float) : 0.0;
   return gemm_flops / arch.gemm_flops_per_s + (dw_bytes + dx_bytes) / arch.memory_bytes_per_s;
 }
 

@@ -1,7 +1,8 @@
 """The recomputing backward in 2-D tiles of cuBLAS logits (Strategy 'vocab_tiles' of pass 'backward': plan.cpp's
 backward_tiles): row blocks x vocabulary slices, each slice's gradient from the forward's lse alone, dX summed over
 the slices, dW over the row blocks. Against float64, with every masking pattern (the counted rows gathered once
-per block), bias, softcap, temperature, the entropy, and the cross-entropy's features."""
+per block; dX of the slices summed in float32), bias, softcap, temperature, the entropy, and the cross-entropy's
+features."""
 
 import pytest
 import torch
@@ -18,13 +19,13 @@ N, D, V = 4096, 128, 8192
 
 
 def tiled_budget(dtype):
-    # 5 MiB per byte of element: 2 row blocks x 4 slices (backward_tiles' fewest bytes moved here)
+    # 5 MiB per byte of element: 2 to 4 row blocks x 2 to 4 slices (backward_tiles' fewest bytes moved here)
     return 5 * (1 << 20) * torch.empty((), dtype=dtype).element_size()
 
 
 def assert_tiled(plan, blocks):
     assert plan.pass_ == "backward" and plan.strategy == "vocab_tiles" and plan.tile_cols < V, plan
-    assert (plan.block_rows < plan.rows) == blocks, plan  # several row blocks, or the counted rows in one
+    assert plan.block_rows < plan.rows or not blocks, plan  # several row blocks
     assert plan.workspace_bytes <= plan.budget_bytes, plan
 
 
@@ -38,7 +39,7 @@ def test_log_probs_and_entropy_gradients_in_tiles_match_float64(dtype, mask):
     xl, wl, bl = leaves(x, w, b)
     assert_tiled(
         fused_ce.plan(xl, wl, t, pass_="backward", reduction="none", linear_bias=bl, workspace_bytes=budget),
-        blocks=mask != "prompt",
+        blocks=mask == "none",
     )
     u1, u2 = torch.randn(N, device="cuda", dtype=torch.float64), torch.randn(N, device="cuda", dtype=torch.float64)
     x64, w64, b64 = leaves(x.double(), w.double(), b.double())
@@ -104,9 +105,10 @@ def test_only_the_gradients_asked_for():
 
 
 def test_the_large_shapes_plan_vocabulary_slices():
-    # At A in the default 0.5 GiB: all 16384 rows in 8 slices of 16032 columns (1.9 GB of dX moved, not 8 row
-    # blocks' 14.7 GB of dW); B: 8192 rows in 8 slices of 32000; a problem whose logits fit one block keeps it.
-    for (n, d, v), rows, cols in [((16384, 4096, 128256), 16384, 16032), ((8192, 2304, 256000), 8192, 32000)]:
+    # At A in the default 0.5 GiB: 2 blocks of 8192 rows in 6 slices of 21376 columns (dW moved once more and dX
+    # five times more in float32: 4.8 GB, not 8 row blocks' 14.7 GB of dW); B: 2 x 4096 rows in 5 slices of
+    # 51200; a problem whose logits fit one block keeps it.
+    for (n, d, v), rows, cols in [((16384, 4096, 128256), 8192, 21376), ((8192, 2304, 256000), 4096, 51200)]:
         x = torch.empty(1, 1, dtype=torch.bfloat16, device="cuda").expand(n, d).requires_grad_()
         w = torch.empty(1, 1, dtype=torch.bfloat16, device="cuda").expand(v, d)
         t = torch.zeros(1, dtype=torch.long, device="cuda").expand(n)
