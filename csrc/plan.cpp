@@ -321,8 +321,9 @@ double estimated_seconds(const Plan& plan, const Problem& p, const ArchConstants
   const double dw_bytes = grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
                               ? (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(plan.grad_weight_dtype)
                               : 0.0;
-  // (the backward's slices sum dX in float32; the tl.dot tiles' dX is float32)
-  const double dx_bytes = grads && slices > 1 ? (slices - 1) * 2.0 * plan.rows * p.D * sizeof(float) : 0.0;
+  // the backward's vocabulary slices sum dX in float32 (the forward with gradient's are not weighed here)
+  const double dx_bytes =
+      plan.pass == Pass::Backward && slices > 1 ? (slices - 1) * 2.0 * plan.rows * p.D * sizeof(float) : 0.0;
   return gemm_flops / arch.gemm_flops_per_s + (dw_bytes + dx_bytes) / arch.memory_bytes_per_s;
 }
 
