@@ -120,8 +120,8 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
     }
     if (need_x && sliced && !p.row_index.defined()) {
       g.input.narrow(0, r0, r1 - r0).copy_(gx);
-    } else if (need_x) {
-      scatter_input_grad(p, g.input, gx.to(g.input.scalar_type()), r0);
+    } else if (need_x) {  // (selected rows: their gathered x, read no more, takes the sums in the input dtype)
+      scatter_input_grad(p, g.input, sliced ? pr.x.copy_(gx) : gx, r0);
     }
   }
   return g;
