@@ -12,6 +12,8 @@ Workloads (bf16, x ~ N(0, 1), W ~ N(0, 1/D), per-token advantages ~ N(0, 1), 10%
                 against old log-probs, k3 KL at 0.04 against reference log-probs, token mean over the batch
                 (fused_ce.linear_policy_loss, and its log-probs + the objective in torch)
   grpo_entropy  the same with an entropy bonus of 0.01
+Peers: torch.compile, Liger-Kernel's fused linear cross-entropy (Triton) and, where the CUTLASS DSL imports on an
+sm_90 GPU, its fused linear scaled cross-entropy (per-token NLL and entropy, CuTe DSL kernels).
 fused_ce runs in its default workspace (0.5 GiB: the backward computes the logits again, 8NDV) and, as "keeping
 logits", with workspace_bytes=6 GiB, room for the bf16 logits, which the per-token losses then keep for the
 backward (6NDV).
