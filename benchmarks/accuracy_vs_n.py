@@ -65,6 +65,15 @@ def reference(x, w, t, dtype):
     return (loss / counted).float(), dx, dw
 
 
+def with_peak_gib(fn, *args):
+    """fn(*args) and the GiB it allocated at its peak beyond what was allocated before (gradients included)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    result = fn(*args)
+    return result, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def per_token_objective(logits, t, adv):
     log_p = logits.log_softmax(-1)
     valid = t != -100
@@ -121,11 +130,7 @@ def per_token_main(args):
             tiles = f"{back.strategy} {back.block_rows} x {back.tile_cols}"
             ref = per_token_reference(x, w, t, adv.double(), torch.float64)
             eager = per_token_reference(x, w, t, adv, dtype)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            ours = fused_per_token(x, w, t, adv)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            ours, peak = with_peak_gib(fused_per_token, x, w, t, adv)
             row = dict(dtype=str(dtype).removeprefix("torch."), N=n, backward=tiles, peak_GiB=round(peak, 2))
             for name, o, e, r in zip(names, ours, eager, ref):
                 row[name] = dict(fused_ce=rel_err(o, r), torch=rel_err(e, r))
@@ -203,11 +208,7 @@ def main():
         plan = fused_ce.plan(x.detach().requires_grad_(), w.detach().requires_grad_(), t)
         ref = reference(x, w, t, torch.float32)
         eager = reference(x, w, t, torch.bfloat16)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        ours = fused(x, w, t)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ours, peak = with_peak_gib(fused, x, w, t)
         row = dict(N=n, dW_accumulation=str(plan.grad_weight_dtype).removeprefix("torch."), peak_GiB=round(peak, 2))
         for name, o, e, r in zip(("loss", "dX", "dW"), ours, eager, ref):
             row[name] = dict(fused_ce=rel_err(o, r), torch=rel_err(e, r))

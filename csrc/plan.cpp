@@ -176,9 +176,9 @@ at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::Sca
 // of whole rows). The lse is known, so a tile needs no other columns of its rows. Row blocks re-read and
 // re-write dW (V x D) once per block beyond the first; vocabulary slices re-read and re-write their rows' dX
 // once per slice beyond the first, summed in a float32 buffer of the block's rows (in bf16 5 slices' sums
-// left dX's error 1.6-1.8x torch's single rounding: accuracy_per_token_s10_first.md), which a block of
-// selected rows also needs its x gathered beside. Where V x D is the larger (large vocabularies), slices move
-// less. Up to kMaxSlices slices, the count that moves the fewest bytes; `row_block_rows`: the row blocks' rows.
+// left dX's error 1.6-1.8x torch's single rounding: accuracy_per_token_s10_first.md); a block of selected
+// rows also holds its gathered x. Where V x D is the larger (large vocabularies), slices move less. Up to
+// kMaxSlices slices, the count that moves the fewest bytes; `row_block_rows`: the row blocks' rows.
 struct Tiles {
   int64_t rows = 0, cols = 0;
 };

@@ -6,7 +6,7 @@ features."""
 
 import pytest
 import torch
-from test_kept_logits import masked
+from test_kept_logits import CROSS_ENTROPY_FEATURES, masked, with_class_weights
 from test_log_probs import reference
 
 import fused_ce
@@ -53,20 +53,10 @@ def test_log_probs_and_entropy_gradients_in_tiles_match_float64(dtype, mask):
     assert max(errors) < (1e-5 if dtype == torch.float32 else 2e-2), errors
 
 
-@pytest.mark.parametrize(
-    "features",
-    [
-        dict(label_smoothing=0.1, class_weights=True),
-        dict(z_loss=1e-3, logit_scale=0.5),
-        dict(label_smoothing=0.05, softcap=20.0, class_weights=True),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("features", CROSS_ENTROPY_FEATURES, ids=str)
 def test_cross_entropy_none_in_tiles_matches_float64(features):
-    features = dict(features)
     x, w, t, b = make_problem(N, D, V, dtype=torch.float32, device="cuda", ignore_frac=0.2, bias=True)
-    if features.pop("class_weights", False):
-        features["weight"] = torch.rand(V, device="cuda") + 0.5
+    features = with_class_weights(features, V)
     budget = tiled_budget(torch.float32)
     xl, wl, bl = leaves(x, w, b)
     assert_tiled(

@@ -82,21 +82,26 @@ def test_log_probs_and_entropy_gradients_match_float64_and_the_recomputing_backw
             assert kept <= 1.5 * recomputed + tolerance / 10, (errors[KEEP], errors[LEAN])
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize(
-    "features",
-    [
-        dict(label_smoothing=0.1, class_weights=True),
-        dict(z_loss=1e-3, logit_scale=0.5),
-        dict(label_smoothing=0.05, softcap=20.0, class_weights=True),
-    ],
-    ids=str,
-)
-def test_cross_entropy_none_with_every_feature_keeps_and_matches(features):
+# The cross-entropy's features on the per-token paths (also test_backward_tiles.py); class_weights: random ones.
+CROSS_ENTROPY_FEATURES = [
+    dict(label_smoothing=0.1, class_weights=True),
+    dict(z_loss=1e-3, logit_scale=0.5),
+    dict(label_smoothing=0.05, softcap=20.0, class_weights=True),
+]
+
+
+def with_class_weights(features, V):
     features = dict(features)
-    x, w, t, b = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda", ignore_frac=0.2, bias=True)
     if features.pop("class_weights", False):
         features["weight"] = torch.rand(V, device="cuda") + 0.5
+    return features
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("features", CROSS_ENTROPY_FEATURES, ids=str)
+def test_cross_entropy_none_with_every_feature_keeps_and_matches(features):
+    x, w, t, b = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda", ignore_frac=0.2, bias=True)
+    features = with_class_weights(features, V)
     upstream = torch.randn(N, device="cuda")
     results = {}
     for workspace in (KEEP, LEAN):
