@@ -109,7 +109,7 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
                                    : input_grad_rows(p, g.input, gx_buffer, r0, r1);
     for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
       const int64_t v1 = std::min(p.V, v0 + cols);
-      const Problem pt = cols == p.V ? pr : pr.cols(v0, v1);
+      const Problem pt = sliced ? pr.cols(v0, v1) : pr;
       at::Tensor block = kept.defined() ? kept.narrow(0, r0, r1 - r0)
                                         : buffer.narrow(0, 0, pt.N * pt.V).view({pt.N, pt.V});  // contiguous
       if (!kept.defined()) logits_into(pt, block, plan.logits_scale);

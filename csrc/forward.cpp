@@ -36,7 +36,7 @@ RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const 
   const Problem stored = reading_stored_logits(p, plan);
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
-    at::Tensor logits = kept.defined() ? kept.narrow(0, r0, r1 - r0) : buffer.narrow(0, 0, r1 - r0);
+    at::Tensor logits = buffer.narrow(0, kept.defined() ? r0 : 0, r1 - r0);  // (kept: every row's place)
     const Problem pr = stored.rows(r0, r1);
     logits_into(pr, logits, plan.logits_scale);
     cuda_stats_from_logits(pr, logits, s.rows(r0, r1));

@@ -251,8 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
     const std::optional<at::Tensor>& ref_log_probs, const std::optional<at::Tensor>& linear_bias,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  TORCH_CHECK_VALUE(temperature > 0.0 && std::isfinite(temperature),
-                    "linear_policy_loss: temperature must be a finite value > 0, got ", num(temperature));
+  const TemperedLogits tempered = at_temperature("linear_policy_loss", temperature, softcap, logit_scale);
   TORCH_CHECK_VALUE(clip_low >= 0.0 && clip_low < 1.0 && clip_high >= 0.0 && std::isfinite(clip_high),
                     "linear_policy_loss: clip_low must be in [0, 1) and clip_high >= 0, got ", num(clip_low), ", ",
                     num(clip_high));
@@ -260,9 +259,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
                     "linear_policy_loss: kl_coef and entropy_coef must be finite");
   // a scalar loss of the log-probs of softcap(logit_scale * z) / temperature (as linear_log_probs'), with the
   // entropy and argmax where the objective or the stats need them
-  LossOptions o = LossOptions::parse("linear_policy_loss", "sum", ignore_index, 0.0, 0.0,
-                                     softcap ? std::optional<double>(*softcap / temperature) : std::nullopt,
-                                     logit_scale / temperature, workspace_bytes,
+  LossOptions o = LossOptions::parse("linear_policy_loss", "sum", ignore_index, 0.0, 0.0, tempered.softcap,
+                                     tempered.logit_scale, workspace_bytes,
                                      /*lse_of_ignored_rows=*/false, entropy_coef != 0.0 || return_stats,
                                      return_stats FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
   o.policy_loss = true;

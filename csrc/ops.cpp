@@ -409,19 +409,17 @@ PolicyOutputs linear_policy_loss_autocast(
 
 // fused_ce::linear_log_probs: log softmax(softcap(logit_scale * z) / temperature)[target] per row (0 where
 // ignored), the entropy and the argmax of that distribution, as _linear_cross_entropy with reduction 'none'
-// (minus its loss): softcap(u) / T is a softcap of s / T on u / T. Composite, so autograd, torch.compile and export see
-// the op it calls.
+// (minus its loss; at_temperature). Composite, so autograd, torch.compile and export see the op it calls.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_LOG_PROB_OPTIONS)
         FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
-  TORCH_CHECK_VALUE(temperature > 0.0 && std::isfinite(temperature),
-                    "linear_log_probs: temperature must be a finite value > 0, got ", num(temperature));
+  const TemperedLogits tempered = at_temperature("linear_log_probs", temperature, softcap, logit_scale);
   LossOptions o;  // the defaults, then what log-probs need
   o.reduction = "none";
   o.ignore_index = ignore_index;
-  o.softcap = softcap ? std::optional<double>(*softcap / temperature) : std::nullopt;
-  o.logit_scale = logit_scale / temperature;
+  o.softcap = tempered.softcap;
+  o.logit_scale = tempered.logit_scale;
   o.workspace_bytes = workspace_bytes;
   o.lse_of_ignored_rows = false;
   o.return_entropy = return_entropy;

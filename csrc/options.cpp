@@ -88,4 +88,11 @@ LossOptions LossOptions::from_ivalues(c10::string_view op, c10::ArrayRef<c10::IV
   return raw.apply([&](auto... values) { return parse(op, values...); });
 }
 
+TemperedLogits at_temperature(const char* op, double temperature, const std::optional<double>& softcap,
+                              double logit_scale) {
+  TORCH_CHECK_VALUE(temperature > 0.0 && std::isfinite(temperature), op,
+                    ": temperature must be a finite value > 0, got ", num(temperature));
+  return {softcap ? std::optional<double>(*softcap / temperature) : std::nullopt, logit_scale / temperature};
+}
+
 }  // namespace fused_ce

@@ -176,4 +176,13 @@ struct LossOptions {
   }
 };
 
+// The logits of the per-token log-probs and the policy loss, softcap(logit_scale * z) / temperature, as the loss's
+// options take them: softcap(u) / T is a softcap of s / T on u / T. Checks the temperature (`op` names the call).
+struct TemperedLogits {
+  std::optional<double> softcap;
+  double logit_scale = 1.0;
+};
+TemperedLogits at_temperature(const char* op, double temperature, const std::optional<double>& softcap,
+                              double logit_scale);
+
 }  // namespace fused_ce
