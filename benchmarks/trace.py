@@ -1,8 +1,9 @@
 """Where one fused fwd+bwd spends its time: the CUDA kernel timeline of one step.
 
-    python benchmarks/trace.py [--shapes A,B] [--workspace-mib 0,64]
+    python benchmarks/trace.py [--shapes A,B] [--workspace-mib 0,64] [--per-token]
 
-For each shape (and workspace budget): the step's time by CUDA events (median),
+The step: fwd+bwd of the mean loss, or (--per-token) of sum(adv * nll) with reduction='none', the RL
+gradient (bench_rl.py's nll workload). For each shape (and workspace budget): the step's time by CUDA events (median),
 then one profiled step: kernel time per kernel name against its own floor
 (GEMMs against the bf16 rate, row passes against the copy bandwidth), the idle
 time between kernels and its largest gaps with their neighbours, and the host
@@ -34,16 +35,29 @@ def short(name, width=70):
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def step_fn(x, w, t, workspace):
+def step_fn(x, w, t, workspace, per_token):
     import fused_ce
 
     xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+    adv = torch.randn(t.shape, device=t.device) if per_token else None
 
     def step():
         xl.grad = wl.grad = None
-        fused_ce.linear_cross_entropy(xl, wl, t, workspace_bytes=workspace).backward()
+        if per_token:
+            nll = fused_ce.linear_cross_entropy(xl, wl, t, reduction="none", workspace_bytes=workspace)
+            (adv * nll).sum().backward()
+        else:
+            fused_ce.linear_cross_entropy(xl, wl, t, workspace_bytes=workspace).backward()
 
     return step
+
+
+def step_plan(x, w, t, workspace, per_token):
+    if not per_token:
+        return plan_summary(x, w, t, workspace_bytes=workspace)
+    return "; ".join(
+        plan_summary(x, w, t, workspace_bytes=workspace, reduction="none", pass_=p) for p in ("forward", "backward")
+    )
 
 
 def profile_step(step, back_to_back=3):
@@ -95,6 +109,7 @@ def main():
     parser.add_argument("--shapes", default="A,B,C")
     parser.add_argument("--workspace-mib", default="0", help="comma list; 0 = the default budget")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--per-token", action="store_true", help="sum(adv * nll), reduction='none' (8NDV floor)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     env = environment()
@@ -103,9 +118,10 @@ def main():
     for shape in args.shapes.split(","):
         N, D, V = SHAPES[shape]
         x, w, t = make_inputs(N, D, V, "cuda")
-        floor = 6 * N * D * V / (PEAK_TFLOPS * 1e12) * 1e3
+        passes = 8 if args.per_token else 6
+        floor = passes * N * D * V / (PEAK_TFLOPS * 1e12) * 1e3
         for mib in (int(m) for m in args.workspace_mib.split(",")):
-            step = step_fn(x, w, t, mib << 20 if mib else None)
+            step = step_fn(x, w, t, mib << 20 if mib else None, args.per_token)
             ms = cuda_time_ms(step, 3, args.repeat)
             r = analyse(*profile_step(step))
             r.update(
@@ -113,15 +129,16 @@ def main():
                 workspace_mib=mib or "default",
                 step_ms=ms,
                 floor_ms=floor,
-                plan=plan_summary(x, w, t, workspace_bytes=mib << 20 if mib else None),
+                per_token=args.per_token,
+                plan=step_plan(x, w, t, mib << 20 if mib else None, args.per_token),
             )
             results.append(r)
             print(
                 f"\n== shape {shape} (N={N} D={D} V={V}) workspace {r['workspace_mib']} MiB: step {ms:.2f} ms "
-                f"(6NDV floor {floor:.1f}); last of 3 profiled steps: kernels span {r['span_ms']:.2f} ms, busy "
+                f"({passes}NDV floor {floor:.1f}); last of 3 profiled steps: kernels span {r['span_ms']:.2f} ms, busy "
                 f"{r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, {r['kernels']} kernels; plan {r['plan']}"
             )
-            for name, total, count in r["per_name"][:10]:
+            for name, total, count in r["per_name"][:14]:
                 print(f"  {total:8.2f} ms {count:4d}x  {short(name)}")
             print("  largest gaps:")
             for gap, before, after in r["gaps"][:5]:

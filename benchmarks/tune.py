@@ -1,12 +1,13 @@
 """Measurements behind the tile table and the optimisation log (benchmarks/LOG.md).
 
-    python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,gemm]
+    python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,passes,overlap]
 
 On a GPU with triton: times the kernels' JIT builds under candidate
 configurations (row_stats for the loss-only forward without stored logits; the
-tiles of logit_partials and softmax_grad for the passes over stored logits; the
-persistent TMA GEMM of gemm.py against torch.mm for the logits, dX and dW GEMMs
-of a row block at every shape, the first milestone of issue 13's fused GEMMs).
+tiles of logit_partials and softmax_grad for the passes over stored logits);
+"passes": the embedded (AOT) passes of a per-token fwd+bwd against the same kernels' JIT builds on the
+same rows, kernel times from the profiler; "overlap": the stored-logits step with its passes on a second
+stream.
 Prints tables; writes tune.json to --out. The JIT specialises on integer
 arguments divisible by 16; the AOT variants declare the same only where
 fused_ce/_build/aot.py says so (LOG.md, step 14), so check a JIT finding in
@@ -45,18 +46,9 @@ SOFTMAX_GRAD = [
     (8, 1024, 4),
     (8, 2048, 8),
     (32, 1024, 8),
-]
-
-
-# block_m, block_n, block_k, group_m, num_warps, num_stages, split_epilogue: the persistent TMA GEMM (gemm.py)
-TMA_GEMM = [
-    (128, 256, 64, 8, 8, 3, True),
-    (128, 256, 64, 8, 8, 4, True),
-    (128, 256, 64, 8, 8, 3, False),
-    (128, 256, 64, 16, 8, 3, True),
-    (128, 128, 64, 8, 8, 4, True),
-    (128, 128, 64, 8, 4, 4, False),
-    (256, 128, 64, 8, 8, 3, True),
+    (1, 4096, 4),
+    (1, 8192, 8),
+    (2, 4096, 8),
 ]
 
 
@@ -103,7 +95,7 @@ def softmax_grad_candidates():
 
     def run(cfg):
         def passes(logits, t, ones, zeros, write_grad):
-            lse, _, _ = jit.stats_from_logits(logits, t, config=cfg)
+            lse = jit.stats_from_logits(logits, t, config=cfg)[0]
             if write_grad:
                 jit.softmax_grad(logits, t, lse, ones, zeros, ones, zeros, config=cfg)
 
@@ -143,92 +135,66 @@ def tune_softmax_grad(x, w, t, warmup, repeat, candidates=None, block_rows=2048)
     return rows
 
 
-def tune_gemm(shape, warmup, repeat):
-    """The GEMMs of one row block (the plan's rows at `shape`): torch.mm (cuBLAS) against gemm.py under each
-    TMA_GEMM candidate, interleaved round by round; median ms, TFLOP/s, the share of torch's rate and the
-    relative error against float32 (torch's own beside it). dW accumulates into a bf16 dW (beta = 1), as the
-    plan does for the blocks after the first, up to 8 blocks. "logits+stats": the logits GEMM with the row
-    statistics (lse) in its epilogue against torch.mm followed by the passes that read them back
-    (logit_partials, combine_partials): what fusing the first pass would save."""
-    import fused_ce
-    from fused_ce.kernels import configs, jit
-
-    N, D, V = SHAPES[shape]
-    x, w, t = make_inputs(N, D, V, "cuda")
-    rows = fused_ce.plan(x.requires_grad_(), w, t).block_rows
-    x = x.detach()[:rows].contiguous()
-    t = torch.where(t[:rows] < 0, -1, t[:rows])  # the kernels' convention for ignored rows
-    g = torch.randn(rows, V, device="cuda").div_(V**0.5).to(x.dtype)  # a logit gradient's scale
-    z, dx = torch.empty(rows, V, dtype=x.dtype, device="cuda"), torch.empty(rows, D, dtype=x.dtype, device="cuda")
-    dw = torch.zeros(V, D, dtype=x.dtype, device="cuda")
-
-    def plain(fn):  # a runner: fn's output (`check`: the run whose output is compared)
-        return lambda check=False: fn()
-
-    def accumulated(fn):  # dW accumulates: the check starts from zero, the timed runs keep adding
-        def run(check=False):
-            if check:
-                dw.zero_()
+def profiled_kernel_ms(fn, calls, names):
+    """Total CUDA time per kernel name (those in `names`) over `calls` calls of fn, and their launch counts."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
             fn()
-            return dw
+        torch.cuda.synchronize()
+    totals = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name in names:
+            ms, count = totals.get(e.name, (0.0, 0))
+            totals[e.name] = (ms + (e.time_range.end - e.time_range.start) / 1e3, count + 1)
+    return totals
 
-        return run
 
-    cases = {  # float32 reference, torch's runner, gemm.py's runner under a configuration
-        "logits": (
-            lambda: x.float() @ w.float().T,
-            plain(lambda: torch.mm(x, w.T, out=z)),
-            lambda cfg: plain(lambda: jit.gemm(x, w, z, b_t=True, config=cfg)),
-        ),
-        "dX": (
-            lambda: g.float() @ w.float(),
-            plain(lambda: torch.mm(g, w, out=dx)),
-            lambda cfg: plain(lambda: jit.gemm(g, w, dx, config=cfg)),
-        ),
-        "dW": (
-            lambda: g.float().T @ x.float(),
-            accumulated(lambda: dw.addmm_(g.T, x)),
-            lambda cfg: accumulated(lambda: jit.gemm(g, x, dw, a_t=True, accumulate=True, config=cfg)),
-        ),
-        "logits+stats": (
-            lambda: (x.float() @ w.float().T).logsumexp(1),
-            plain(lambda: jit.stats_from_logits(torch.mm(x, w.T, out=z), t)[0]),
-            lambda cfg: plain(lambda: jit.logits_with_partials(x, w, t, config=cfg)[1]),
-        ),
-    }
-    methods = {"torch": None} | {str(c): configs.TmaGemmConfig(*c) for c in TMA_GEMM}
-    flop = 2 * rows * D * V
-    rows_out = []
-    for gemm, (reference, baseline, candidate) in cases.items():
-        expected = reference()
-        runs, errors = {}, {}
-        for name, cfg in methods.items():
-            runs[name] = baseline if cfg is None else candidate(cfg)
-            try:
-                out = runs[name](check=True)
-                torch.cuda.synchronize()
-                errors[name] = ((out.float() - expected).norm() / expected.norm()).item()
-            except Exception as exc:  # out of shared memory, no TMA, ...
-                print(f"{shape} {gemm} {name}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-                del runs[name]
-        del expected
-        medians = interleaved_ms(runs, warmup, repeat)
-        base = medians["torch"]
-        for name, ms in medians.items():
-            rows_out.append(
+def tune_passes(x, w, t, calls):
+    """The passes of a per-token fwd+bwd (sum(adv * nll), reduction='none') as the library runs them (its
+    embedded cubins, the plan's blocks) against the same kernels' JIT builds over one block of the same rows
+    just written by torch.mm: the bandwidth each reaches. TB/s: logit_partials reads the logits once,
+    softmax_grad reads and writes them."""
+    import fused_ce
+    from fused_ce.kernels import jit
+
+    rows = fused_ce.plan(x, w, t, reduction="none", pass_="forward").block_rows
+    xs, ts = x[:rows].contiguous(), t[:rows].contiguous()
+    kernel_t = torch.where(ts < 0, -1, ts)
+    counted = int((ts >= 0).sum())
+    xl, wl = xs.clone().requires_grad_(), w.clone().requires_grad_()
+    adv = torch.randn(rows, device="cuda")
+
+    def embedded():
+        xl.grad = wl.grad = None
+        (adv * fused_ce.linear_cross_entropy(xl, wl, ts, reduction="none")).sum().backward()
+
+    z = torch.empty(rows, w.shape[0], dtype=x.dtype, device="cuda")
+    coefficient = torch.where(kernel_t >= 0, adv, 0.0)
+    zeros = torch.zeros(rows, device="cuda")
+
+    def jit_passes():
+        torch.mm(xs, w.T, out=z)
+        lse = jit.stats_from_logits(z, kernel_t)[0]
+        torch.mm(xs, w.T, out=z)
+        jit.softmax_grad(z, kernel_t, lse, coefficient, zeros, coefficient, zeros)
+
+    names = {"logit_partials_kernel", "softmax_grad_kernel"}
+    out = []
+    for build, fn, rows_run in (("aot", embedded, counted), ("jit", jit_passes, rows)):
+        for name, (ms, count) in sorted(profiled_kernel_ms(fn, calls, names).items()):
+            gbytes = (2 if name.startswith("softmax") else 1) * rows_run * w.shape[0] * x.element_size() / 1e9
+            out.append(
                 dict(
-                    kernel="gemm",
-                    shape=shape,
-                    gemm=gemm,
-                    rows=rows,
-                    config=name,
-                    ms=ms,
-                    tflops=flop / ms / 1e9,
-                    of_torch=base / ms,
-                    rel_err=errors[name],
+                    build=build,
+                    kernel=name,
+                    launches=count // calls,
+                    ms_per_call=ms / calls,
+                    tb_per_s=gbytes / (ms / calls),
                 )
             )
-    return rows_out
+    return out
 
 
 def block_step(x, w, t, rows, buffers, grad, overlap):
@@ -356,12 +322,12 @@ def tune_overlap(shape, warmup, repeat):
 
 def main():
     parser = shape_parser(__doc__, repeat=5)
-    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: gemm, overlap")
-    parser.add_argument("--gemm-shapes", default="A,B,C", help="shapes of the gemm and overlap parts")
+    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: passes, overlap")
+    parser.add_argument("--gemm-shapes", default="A,B,C", help="shapes of the overlap part")
     args = parser.parse_args()
     parts = args.parts.split(",")
     N, D, V = SHAPES[args.shape]
-    if "row_stats" in parts or "softmax_grad" in parts:  # the gemm part makes its own, per shape
+    if {"row_stats", "softmax_grad", "passes"} & set(parts):  # the overlap part makes its own, per shape
         x, w, t = make_inputs(N, D, V, "cuda")
         kernel_t = torch.where(t < 0, -1, t)  # the kernels' convention for ignored rows
     env = environment()
@@ -384,6 +350,14 @@ def main():
                 f"  {str(r['config']):14s} write_grad={int(r['write_grad'])}  {r['ms']:.3f} ms  "
                 f"{r['tb_per_s']:.2f} TB/s"
             )
+    if "passes" in parts:
+        result["passes"] = tune_passes(x, w, t, args.repeat)
+        print("passes over stored logits, embedded (AOT) against JIT on the same rows (profiler kernel times):")
+        for r in result["passes"]:
+            print(
+                f"  {r['build']:4s} {r['kernel']:24s} {r['launches']:3d}x  {r['ms_per_call']:.3f} ms per call  "
+                f"{r['tb_per_s']:.2f} TB/s"
+            )
     per_shape = {  # the parts that make their own inputs per shape: (function, title, a row's line)
         "overlap": (
             tune_overlap,
@@ -391,14 +365,6 @@ def main():
             lambda r: (
                 f"  {r['shape']} {'fwd+bwd' if r['grad'] else 'loss only':9s} {r['variant']:28s} "
                 f"{r['ms']:8.2f} ms  {r['of_serial']:.3f}x  lse/dX max diff from serial {r['max_diff']:.1e}"
-            ),
-        ),
-        "gemm": (
-            tune_gemm,
-            "the GEMMs of one row block, gemm.py's persistent TMA kernel against torch (share of its rate):",
-            lambda r: (
-                f"  {r['shape']} {r['gemm']:6s} {r['rows']} rows  {r['config']:36s} {r['ms']:.3f} ms  "
-                f"{r['tflops']:.0f} TFLOP/s  {r['of_torch']:.3f}  rel err {r['rel_err']:.1e}"
             ),
         ),
     }

@@ -78,11 +78,33 @@ void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at
 
 namespace {
 
+// Tensors carved from one buffer whose contents are no longer needed (the kept logits once their own rows'
+// gradient has been multiplied back: later kernels on the stream come after those GEMMs), else allocated.
+class Workspace {
+ public:
+  explicit Workspace(const at::Tensor& storage)
+      : bytes_(storage.defined() ? storage.view({-1}).view(at::kByte) : at::Tensor()) {}
+
+  at::Tensor take(at::IntArrayRef shape, const at::TensorOptions& options) {
+    const int64_t numel = c10::multiply_integers(shape);
+    const int64_t bytes = numel * int64_t{c10::elementSize(options.dtype().toScalarType())};
+    const int64_t begin = (used_ + 255) / 256 * 256;  // aligned for every dtype and for cuBLAS
+    if (!bytes_.defined() || begin + bytes > bytes_.numel()) return at::empty(shape, options);
+    used_ = begin + bytes;
+    return bytes_.narrow(0, begin, bytes).view(options.dtype().toScalarType()).view(shape);
+  }
+
+ private:
+  at::Tensor bytes_;
+  int64_t used_ = 0;
+};
+
 // StoredLogits and VocabTiles: per tile of the plan (block_rows x tile_cols; whole rows for StoredLogits), cuBLAS
-// logits (or those the forward kept) turned into their gradient in place (softmax_grad, given the rows' lse),
-// multiplied back by cuBLAS. A block's selected rows are gathered once for all its slices; a block's dX is
-// one product of whole rows, or its slices' products summed in float32 (backward_tiles); dW accumulates over
-// the row blocks.
+// logits turned into their gradient in place (softmax_grad, given the rows' lse), multiplied back by cuBLAS. A
+// block's selected rows are gathered once for all its slices; a block's dX is one product of whole rows, or its
+// slices' products summed in float32 (backward_tiles); dW accumulates over the row blocks. With logits the
+// forward kept (`kept`, its first `kept_rows` rows), those rows are the first block (whole rows), and the other
+// rows' tiles and buffers take the kept tensor's storage after them (Pass::BackwardFromLogits' plan).
 Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                          GradMask need, const at::Tensor& kept = {}) {
   const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
@@ -92,31 +114,44 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
   // coefficients take logits_scale, so that the blocks hold the gradient itself.
   const GradCoefficients scaled = plan.logits_scale == 1.0 ? c : c.scaled(plan.logits_scale);
   const Problem stored = reading_stored_logits(p, plan);
-  const int64_t cols = plan.tile_cols;
-  TORCH_CHECK(!kept.defined() || cols == p.V, "fused_ce: kept logits are whole rows");
-  const at::Tensor buffer = kept.defined() ? at::Tensor() : at::empty({plan.block_rows * cols}, p.x.options());
+  const int64_t first = kept.defined() ? std::min(plan.kept_rows, p.N) : 0;  // rows of the kept block
+  const auto tile_grads = [&](const Problem& pt, const GradCoefficients& cr, const at::Tensor& block,
+                              const at::Tensor& gx, const at::Tensor& x, int64_t r0, int64_t v0) {
+    cuda_softmax_grad(pt, cr, cr.lse, block, o.smoothing());
+    if (need_x) gemm_into(gx, block, pt.w, /*accumulate=*/v0 > 0);
+    if (need_w) gemm_into(g.weight.narrow(0, v0, pt.V), block.t(), x, /*accumulate=*/r0 > 0);
+    if (need_b) g.bias.narrow(0, v0, pt.V).add_(block.sum(0, false, loss_dtype(p)));
+  };
+  if (first > 0) {  // the kept rows: whole rows, their dX in one product
+    const Problem pr = stored.rows(0, first);
+    at::Tensor gx_buffer;
+    const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, 0, first) : at::Tensor();
+    tile_grads(pr, scaled.rows(0, first), kept.narrow(0, 0, first), gx, pr.x, 0, 0);
+    if (need_x) scatter_input_grad(p, g.input, gx, 0);
+  }
+  if (first == p.N) return g;
+  const int64_t cols = plan.tile_cols, rows = std::min(plan.block_rows, p.N - first);
   const bool sliced = cols < p.V;
-  at::Tensor gx_buffer;
-  const at::Tensor gx_sums = need_x && sliced
-                                 ? at::empty({std::min(plan.block_rows, p.N), p.D}, p.x.options().dtype(at::kFloat))
-                                 : at::Tensor();
-  for (int64_t r0 = 0; r0 < p.N; r0 += plan.block_rows) {
+  Workspace workspace(kept);
+  const at::Tensor buffer = workspace.take({rows * cols}, p.x.options());
+  const at::Tensor gx_sums = need_x && sliced ? workspace.take({rows, p.D}, p.x.options().dtype(at::kFloat))
+                                              : at::Tensor();
+  // selected rows: their x gathered (once per block for all its slices), their dX before its scatter
+  const at::Tensor gathered = p.row_index.defined() ? workspace.take({rows, p.D}, p.x.options()) : at::Tensor();
+  at::Tensor gx_buffer = need_x && !sliced && p.row_index.defined() ? workspace.take({rows, p.D}, p.x.options())
+                                                                    : at::Tensor();
+  for (int64_t r0 = first; r0 < p.N; r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
-    const Problem pr = stored.rows(r0, r1);
+    const Problem pr = stored.rows(r0, r1, gathered);
     const GradCoefficients cr = scaled.rows(r0, r1);
     const at::Tensor gx = !need_x  ? at::Tensor()
                           : sliced ? gx_sums.narrow(0, 0, r1 - r0)
                                    : input_grad_rows(p, g.input, gx_buffer, r0, r1);
     for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
-      const int64_t v1 = std::min(p.V, v0 + cols);
-      const Problem pt = sliced ? pr.cols(v0, v1) : pr;
-      at::Tensor block = kept.defined() ? kept.narrow(0, r0, r1 - r0)
-                                        : buffer.narrow(0, 0, pt.N * pt.V).view({pt.N, pt.V});  // contiguous
-      if (!kept.defined()) logits_into(pt, block, plan.logits_scale);
-      cuda_softmax_grad(pt, cr, cr.lse, block, o.smoothing());
-      if (need_x) gemm_into(gx, block, pt.w, /*accumulate=*/v0 > 0);
-      if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), pr.x, /*accumulate=*/r0 > 0);
-      if (need_b) g.bias.narrow(0, v0, v1 - v0).add_(block.sum(0, false, loss_dtype(p)));
+      const Problem pt = sliced ? pr.cols(v0, std::min(p.V, v0 + cols)) : pr;
+      at::Tensor block = buffer.narrow(0, 0, pt.N * pt.V).view({pt.N, pt.V});  // contiguous
+      logits_into(pt, block, plan.logits_scale);
+      tile_grads(pt, cr, block, gx, pr.x, r0, v0);
     }
     if (need_x && sliced && !p.row_index.defined()) {
       g.input.narrow(0, r0, r1 - r0).copy_(gx);
@@ -132,12 +167,16 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
 Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                              GradMask need, const at::Tensor& kept) {
   if (p.N == 0) return allocate_grads(p, plan, need);  // zeros
-  TORCH_CHECK(plan.pass == Pass::BackwardFromLogits && plan.strategy == Strategy::StoredLogits,
-              "fused_ce: kept logits are read by Pass::BackwardFromLogits' stored_logits plan");
-  TORCH_CHECK(kept.dim() == 2 && kept.size(0) >= p.N && kept.size(1) == p.V && kept.stride(1) == 1 &&
-                  kept.scalar_type() == plan.logits_dtype && kept.device() == p.x.device(),
-              "fused_ce: the kept logits must be [>= ", p.N, ", ", p.V, "] ", c10::toString(plan.logits_dtype),
-              " rows on ", p.x.device().str(), ", got ", kept.sizes(), " ", kept.scalar_type());
+  TORCH_CHECK(plan.pass == Pass::BackwardFromLogits &&
+                  (plan.strategy == Strategy::StoredLogits || plan.strategy == Strategy::VocabTiles),
+              "fused_ce: kept logits are read by Pass::BackwardFromLogits' stored_logits or vocab_tiles plan");
+  // (where only some rows were kept, the others' tiles take its storage: contiguous)
+  TORCH_CHECK(kept.dim() == 2 && kept.size(0) >= plan.kept_rows && kept.size(1) == p.V && kept.stride(1) == 1 &&
+                  (plan.kept_rows >= p.N || kept.is_contiguous()) && kept.scalar_type() == plan.logits_dtype &&
+                  kept.device() == p.x.device(),
+              "fused_ce: the kept logits must be [>= ", plan.kept_rows, ", ", p.V, "] contiguous ",
+              c10::toString(plan.logits_dtype), " rows on ", p.x.device().str(), ", got ", kept.sizes(), " ",
+              kept.scalar_type());
   return stored_logit_grads(p, o, plan, c, need, kept);
 }
 

@@ -178,6 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   TORCH_CHECK_VALUE(keeps_logits(input, linear_weight, target, o),
                     "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept (a per-token loss on "
                     "CUDA whose logits fit in workspace_bytes: fused_ce.plan(...).keeps_logits)");
+  const int64_t capacity = kept_logit_rows(input, linear_weight, target, o).guard_int(__FILE__, __LINE__);
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const CountedRows rows =
       prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr, /*order_under_capture=*/true);
@@ -185,8 +186,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const Problem run = kept_run(p, rows, kept);
   const Plan plan = make_plan(run, o, Pass::ForwardKeepingLogits);
   const Problem shard = vocab_shard(run, o);
-  at::Tensor logits = at::empty({p.N, shard.V}, p.x.options());
-  RowStats s = forward_stats(shard, o, plan, logits);
+  const int64_t kept_n = std::min(capacity, run.N);  // the first rows of the run's order
+  RowStats s;
+  at::Tensor logits;
+  if (kept_n == run.N) {
+    logits = at::empty({capacity, shard.V}, p.x.options());
+    s = forward_stats(shard, o, plan, logits);
+  } else {
+    // the other rows first, in blocks of their own workspace, freed before the kept logits take its place
+    const Problem rest = shard.row_range(kept_n, run.N);
+    const RowStats rest_stats = forward_stats(rest, o, make_plan(rest, o, Pass::Forward));
+    logits = at::empty({capacity, shard.V}, p.x.options());
+    const Problem kept_part = shard.row_range(0, kept_n);
+    const RowStats kept_stats = forward_stats(kept_part, o, make_plan(kept_part, o, Pass::ForwardKeepingLogits), logits);
+    s = RowStats::allocate(shard, {o.smoothing(), o.return_entropy, o.return_argmax});
+    s.rows(0, kept_n).copy_(kept_stats);
+    s.rows(kept_n, run.N).copy_(rest_stats);
+  }
   if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
   const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, kept, p.N, target.sizes()));
   if (plan.counted_rows_only) s = every_row(p, o, kept, s);
@@ -214,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
   c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
   const CountedRows kept = kept_rows(p, rows);
   const Problem run = kept_run(p, rows, kept);
-  const Plan plan = make_plan(run, o, Pass::BackwardFromLogits);
+  const Plan plan = make_plan(run, o, Pass::BackwardFromLogits, -1, logits.size(0));
   if (run.row_index.defined()) c = c.select_rows(kept.counted_index());
   return shaped_grads(p, grads_from_kept_logits(vocab_shard(run, o), o, plan, c, output_mask, logits), input,
                       linear_weight);
@@ -306,7 +322,11 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const LossOptions o = LossOptions::from_ivalues("_plan", args.slice(6));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
-  const Plan plan = make_plan(p, o, pass, rows.counted);
+  // (the backward from kept logits: the rows the forward's kept tensor would have)
+  const int64_t kept = pass == Pass::BackwardFromLogits
+                           ? kept_logit_rows(input, linear_weight, target, o).guard_int(__FILE__, __LINE__)
+                           : -1;
+  const Plan plan = make_plan(p, o, pass, rows.counted, kept);
   torch::jit::drop(*stack, n);
   for (auto& [name, value] : plan_fields(plan)) stack->push_back(std::move(value));
 }

@@ -521,6 +521,7 @@ TORCH_LIBRARY(fused_ce, m) {
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
   m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&plan_of>());
   m.def("_embedded_archs() -> int[]", &embedded_archs);
+  m.def("_kept_logit_rows_constants() -> int[]", &kept_logit_rows_constants);
   m.def("_embedded_kernels() -> str[]", &embedded_kernels);
   m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "cuda_driver.h"
@@ -25,6 +26,11 @@ int64_t input_dtype_accumulations(at::ScalarType dtype) {
 }
 // Vocabulary slices of the backward (backward_tiles): at most this many, their dX summed in float32.
 constexpr int64_t kMaxSlices = 8;
+// A per-token loss keeps some rows' logits (kept_logit_rows) only where at least this many fit: fewer save
+// less than their block's GEMMs lose to their few rows.
+constexpr int64_t kMinKeptRows = 512;
+// logit_partials' partials per row at its smallest segments (3 floats per 1024 columns)
+constexpr int64_t kPartialBytesPer1024Columns = 3 * sizeof(float);
 
 int64_t cdiv(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -232,14 +238,35 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
     plan.tile_cols = p.V;
     plan.workspace_bytes = rows * row_bytes;
   };
-  if (plan.pass == Pass::ForwardKeepingLogits || plan.pass == Pass::BackwardFromLogits) {
-    // every row's logits in one block, kept from the forward for the backward (keeps_logits); the backward's
-    // GEMMs then run over all rows at once, dW in one product (one rounding)
+  if (plan.pass == Pass::ForwardKeepingLogits ||
+      (plan.pass == Pass::BackwardFromLogits && plan.kept_rows >= p.N)) {
+    // the kept rows' logits in one block, kept from the forward for the backward (kept_logit_rows); where
+    // they are every row, the backward's GEMMs run over all rows at once, dW in one product (one rounding)
     stored_logits(std::max<int64_t>(p.N, 1));
     if (plan.pass == Pass::BackwardFromLogits) {
       plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
       plan.workspace_bytes = p.N * gathered;  // the logits are the forward's
     }
+    return;
+  }
+  if (plan.pass == Pass::BackwardFromLogits) {
+    // Some rows kept: their block first (whole rows: their dX in one product, dW's first write), then the
+    // other rows' tiles of recomputed logits as Pass::Backward's, within the kept tensor's bytes, which the
+    // kept block no longer needs by then (one more row block for dW's accumulation).
+    Problem rest = p;
+    rest.N = p.N - plan.kept_rows;
+    const int64_t kept_bytes = plan.kept_rows * p.V * int64_t{c10::elementSize(plan.logits_dtype)};
+    const int64_t rest_capacity = stored_logits_rows(rest, kept_bytes, gathered);
+    const Tiles tiles = backward_tiles(rest, o, arch, kept_bytes, selected,
+                                       balanced_block_rows(rest.N, rest_capacity, arch.gemm_tile_rows));
+    stored_logits(tiles.rows);
+    if (tiles.cols < p.V) {
+      plan.strategy = Strategy::VocabTiles;
+      plan.tile_cols = tiles.cols;
+    }
+    plan.grad_input_dtype = plan.logits_dtype;
+    plan.grad_weight_dtype = grad_weight_dtype(p, o, plan.logits_dtype, 1 + cdiv(rest.N, tiles.rows));
+    plan.workspace_bytes = plan.kept_rows * gathered;  // beside the kept tensor: the kept block's x and dX rows
     return;
   }
   if (plan.pass == Pass::Backward) {
@@ -294,11 +321,14 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
   }
 }
 
-// The plan of problem p's N rows, all of them or (`selected`) rows gathered from a larger x.
-Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected) {
+// The plan of problem p's N rows, all of them or (`selected`) rows gathered from a larger x; `kept`: the
+// kept-logits passes' kept rows.
+Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected, int64_t kept_rows = 0) {
   Plan plan;
   plan.pass = pass;
   plan.rows = p.N;
+  if (pass == Pass::ForwardKeepingLogits) plan.kept_rows = p.N;
+  if (pass == Pass::BackwardFromLogits) plan.kept_rows = std::clamp<int64_t>(kept_rows, 0, p.N);
   plan.counted_rows_only = selected;
   plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
   const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
@@ -344,7 +374,7 @@ bool counted_rows_pay(const Plan& counted, const Plan& all, const Problem& p) {
 
 }  // namespace
 
-Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted) {
+Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted, int64_t kept) {
   TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar(),
                     "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
   if (o.vocab_parallel() && p.V != o.max_shard_rows) {
@@ -352,35 +382,61 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
     // collectives: vocab_parallel.h); the targets, and so the counted rows, are the same on every rank.
     Problem largest = p;
     largest.V = o.max_shard_rows;
-    return make_plan(largest, o, pass, counted);
+    return make_plan(largest, o, pass, counted, kept);
   }
-  const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
+  const bool kept_pass = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
+  TORCH_CHECK(pass != Pass::BackwardFromLogits || kept >= 0, "fused_ce: Pass::BackwardFromLogits needs the kept rows");
   // (of the problem's own rows: a selection of rows is planned for a call that has decided)
-  const bool keeps = kept || (pass == Pass::Forward && !p.row_index.defined() && keeps_logits(p.x, p.w, p.target, o));
-  const auto with_keeps = [keeps](Plan plan) {
-    plan.keeps_logits = keeps;
+  const bool keeps = pass == Pass::Forward && !p.row_index.defined() && keeps_logits(p.x, p.w, p.target, o);
+  const int64_t kept_rows = keeps ? kept_logit_rows(p.x, p.w, p.target, o).guard_int(__FILE__, __LINE__) : 0;
+  const auto with_keeps = [&](Plan plan) {
+    plan.keeps_logits = kept_pass || keeps;
+    if (pass == Pass::Forward) plan.kept_rows = std::min(kept_rows, plan.rows);
     return plan;
   };
-  if (p.row_index.defined()) return with_keeps(plan_rows(p, o, pass, /*selected=*/true));  // a selection already
-  const Plan all = plan_rows(p, o, pass, /*selected=*/false);
+  if (p.row_index.defined()) return with_keeps(plan_rows(p, o, pass, /*selected=*/true, kept));  // a selection
+  const Plan all = plan_rows(p, o, pass, /*selected=*/false, kept);
   if (counted < 0 || counted >= p.N) return with_keeps(all);
   Problem counted_rows = p;
   counted_rows.N = counted;
-  const Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true);
+  const Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true, kept);
   // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits)
-  return with_keeps(kept || counted_rows_pay(selected, all, p) ? selected : all);
+  return with_keeps(kept_pass || counted_rows_pay(selected, all, p) ? selected : all);
+}
+
+namespace {
+
+// kept_logit_rows, or nullopt where none are kept.
+std::optional<c10::SymInt> kept_rows_if_any(const at::Tensor& input, const at::Tensor& linear_weight,
+                                            const at::Tensor& target, const LossOptions& o) {
+  if (o.scalar() || !cuda_kernels_embedded(input.device(), input.scalar_type())) return std::nullopt;
+  // every rank of a vocabulary-parallel group decides alike, for the largest shard (the same collectives)
+  const c10::SymInt V = o.vocab_parallel() ? c10::SymInt(o.max_shard_rows) : linear_weight.sym_size(0);
+  const int64_t elem = c10::elementSize(input.scalar_type());
+  // the logits and, at most, the partials of logit_partials' smallest segments
+  const c10::SymInt row_bytes = V * elem + (V + 1023) / 1024 * kPartialBytesPer1024Columns;
+  const int64_t budget = o.workspace_bytes.value_or(kDefaultCudaWorkspace);
+  if (target.sym_numel() * row_bytes <= budget) return target.sym_numel();  // (guards on symbolic sizes)
+  // some rows: each with its gathered x and dX rows (counted rows selected) beside its logits
+  const c10::SymInt rows = budget / (row_bytes + 2 * input.sym_size(-1) * elem);
+  if (rows >= kMinKeptRows) return rows;
+  return std::nullopt;
+}
+
+}  // namespace
+
+c10::SymInt kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                            const LossOptions& o) {
+  return kept_rows_if_any(input, linear_weight, target, o).value_or(c10::SymInt(0));
 }
 
 bool keeps_logits(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                   const LossOptions& o) {
-  if (o.scalar() || !cuda_kernels_embedded(input.device(), input.scalar_type())) return false;
-  // every rank of a vocabulary-parallel group decides alike, for the largest shard (the same collectives)
-  const c10::SymInt V = o.vocab_parallel() ? c10::SymInt(o.max_shard_rows) : linear_weight.sym_size(0);
-  const int64_t elem = c10::elementSize(input.scalar_type());
-  // the logits and, at most, the partials of logit_partials' smallest segments (3 floats per 1024 columns)
-  const c10::SymInt row_bytes = V * elem + (V + 1023) / 1024 * int64_t{3 * sizeof(float)};
-  const int64_t budget = o.workspace_bytes.value_or(kDefaultCudaWorkspace);
-  return target.sym_numel() * row_bytes <= budget;  // (a guard on symbolic sizes)
+  return kept_rows_if_any(input, linear_weight, target, o).has_value();
+}
+
+std::vector<int64_t> kept_logit_rows_constants() {
+  return {kDefaultCudaWorkspace, kMinKeptRows, kPartialBytesPer1024Columns};
 }
 
 std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
@@ -406,6 +462,7 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"budget_bytes", plan.budget_bytes},
       {"workspace_bytes", plan.workspace_bytes},
       {"keeps_logits", plan.keeps_logits},
+      {"kept_rows", plan.kept_rows},
   };
 }
 

@@ -18,11 +18,27 @@ at::Tensor select(const at::Tensor& t, const at::Tensor& index) {
 
 }  // namespace
 
-Problem Problem::rows(int64_t begin, int64_t end) const {
+Problem Problem::rows(int64_t begin, int64_t end, const at::Tensor& gathered) const {
   Problem p = *this;
-  p.x = row_index.defined() ? x.index_select(0, row_index.narrow(0, begin, end - begin))
-                            : x.narrow(0, begin, end - begin);
+  if (!row_index.defined()) {
+    p.x = x.narrow(0, begin, end - begin);
+  } else if (gathered.defined()) {
+    p.x = gathered.narrow(0, 0, end - begin);
+    at::index_select_out(p.x, x, 0, row_index.narrow(0, begin, end - begin));
+  } else {
+    p.x = x.index_select(0, row_index.narrow(0, begin, end - begin));
+  }
   p.row_index = at::Tensor();
+  p.target = target.narrow(0, begin, end - begin);
+  p.target_weight = slice(target_weight, begin, end);
+  p.N = end - begin;
+  return p;
+}
+
+Problem Problem::row_range(int64_t begin, int64_t end) const {
+  if (!row_index.defined()) return rows(begin, end);
+  Problem p = *this;
+  p.row_index = row_index.narrow(0, begin, end - begin);
   p.target = target.narrow(0, begin, end - begin);
   p.target_weight = slice(target_weight, begin, end);
   p.N = end - begin;

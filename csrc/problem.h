@@ -37,8 +37,11 @@ struct Problem {
   int64_t N = 0, V = 0, D = 0;
   int64_t col_offset = 0;  // first class of w (a vocabulary slice); targets stay absolute class indices
 
-  // The same problem on rows [begin, end): views, or, for selected rows, their x gathered (contiguous).
-  Problem rows(int64_t begin, int64_t end) const;
+  // The same problem on rows [begin, end): views, or, for selected rows, their x gathered (contiguous; into
+  // `gathered`, [>= end - begin, D] in x's dtype, where given).
+  Problem rows(int64_t begin, int64_t end, const at::Tensor& gathered = {}) const;
+  // Rows [begin, end) as a problem of their own, to be run in blocks: views, or the selection's range.
+  Problem row_range(int64_t begin, int64_t end) const;
   Problem cols(int64_t begin, int64_t end) const;  // on classes [begin, end) of this problem's w
   // The problem of rows `index` ([K] int64 of this problem's rows, ascending): targets and target weights
   // selected now, x gathered block by block (rows()).

@@ -73,8 +73,24 @@ def _linear_cross_entropy_keeping_logits_fake(*args, **kwargs):
     a = _arguments(torch.ops.fused_ce._linear_cross_entropy_keeping_logits.default, args, kwargs)
     tensors = (a["input"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
     outputs = _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
-    # every row's logits over this rank's classes, in the input dtype (csrc/loss.h)
-    return (*outputs, a["input"].new_empty((a["target"].numel(), a["linear_weight"].shape[0])))
+    # the kept rows' logits over this rank's classes, in the input dtype (csrc/loss.h)
+    rows = _kept_logit_rows(a["input"], a["linear_weight"], a["target"], a)
+    return (*outputs, a["input"].new_empty((rows, a["linear_weight"].shape[0])))
+
+
+def _kept_logit_rows(input, linear_weight, target, options):
+    """kept_logit_rows (csrc/plan.h) from shapes: every row where all their logits fit in the workspace, else
+    as many as fit with their gathered rows (at least the minimum; the op checks that some are kept)."""
+    default_workspace, min_rows, partial_bytes = torch.ops.fused_ce._kept_logit_rows_constants()
+    V = options["max_shard_rows"] if options["process_group"] else linear_weight.shape[0]
+    elem = input.element_size()
+    row_bytes = V * elem + (V + 1023) // 1024 * partial_bytes
+    budget = default_workspace if options["workspace_bytes"] is None else options["workspace_bytes"]
+    if target.numel() * row_bytes <= budget:
+        return target.numel()
+    rows = budget // (row_bytes + 2 * input.shape[-1] * elem)
+    torch._check(rows >= min_rows, lambda: "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept")
+    return rows
 
 
 def _grads(input, linear_weight, linear_bias, output_mask):

@@ -16,6 +16,13 @@ LEAN = 1 << 20  # room for none: the recomputing backward
 N, D, V = 1000, 128, 3008
 
 
+def partial(dtype, rows=600, d=D, v=V):
+    """A workspace with room for `rows` rows' logits (and their partials, gathered x and dX rows) but not for
+    every row's: the forward keeps the first `rows` rows of the counted-first order (kept_logit_rows)."""
+    elem = torch.finfo(dtype).bits // 8
+    return rows * (v * elem + (v + 1023) // 1024 * 12 + 2 * d * elem)
+
+
 def test_cpu_never_keeps():
     x, w, t, _ = make_problem(64, 16, 100)
     x.requires_grad_()
@@ -56,11 +63,13 @@ def test_log_probs_and_entropy_gradients_match_float64_and_the_recomputing_backw
     u1, u2 = torch.randn(N, device="cuda", dtype=torch.float64), torch.randn(N, device="cuda", dtype=torch.float64)
     lp64, entropy64, want = float64_grads(x, w, t, b, u1, u2, **features)
     errors = {}
-    for workspace in (KEEP, LEAN):
+    counted = int((t != -100).sum())
+    for workspace in (KEEP, partial(dtype), LEAN):
         xl, wl, bl = leaves(x, w, b)
         plan = fused_ce.plan(xl, wl, t, reduction="none", linear_bias=bl, workspace_bytes=workspace)
-        assert plan.keeps_logits == (workspace == KEEP)
-        assert plan.pass_ == ("forward_keeping_logits" if workspace == KEEP else "forward")
+        assert plan.keeps_logits == (workspace != LEAN)
+        assert plan.pass_ == ("forward_keeping_logits" if workspace != LEAN else "forward")
+        assert plan.kept_rows == {KEEP: counted, LEAN: 0}.get(workspace, min(600, counted))
         out = fused_ce.linear_log_probs(
             xl, wl, t, linear_bias=bl, return_entropy=True, workspace_bytes=workspace, **features
         )
@@ -76,10 +85,11 @@ def test_log_probs_and_entropy_gradients_match_float64_and_the_recomputing_backw
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         for workspace, errs in errors.items():
             assert max(errs) < tolerance, (workspace, errs)
-        # keeping the logits rounds no more than computing them again (the same products, summed in another
-        # order: float32's errors are ~1e-7 either way)
-        for kept, recomputed in zip(errors[KEEP], errors[LEAN]):
-            assert kept <= 1.5 * recomputed + tolerance / 10, (errors[KEEP], errors[LEAN])
+        # keeping the logits, all or some, rounds no more than computing them again (the same products, summed
+        # in another order: float32's errors are ~1e-7 either way)
+        for workspace in (KEEP, partial(dtype)):
+            for kept, recomputed in zip(errors[workspace], errors[LEAN]):
+                assert kept <= 1.5 * recomputed + tolerance / 10, (workspace, errors[workspace], errors[LEAN])
 
 
 # The cross-entropy's features on the per-token paths (also test_backward_tiles.py); class_weights: random ones.
@@ -104,15 +114,18 @@ def test_cross_entropy_none_with_every_feature_keeps_and_matches(features):
     features = with_class_weights(features, V)
     upstream = torch.randn(N, device="cuda")
     results = {}
-    for workspace in (KEEP, LEAN):
+    some = partial(torch.bfloat16)
+    for workspace in (KEEP, some, LEAN):
         xl, wl, bl = leaves(x, w, b)
         loss = fused_ce.linear_cross_entropy(
             xl, wl, t, linear_bias=bl, reduction="none", workspace_bytes=workspace, **features
         )
         results[workspace] = (loss.detach(), *torch.autograd.grad((loss * upstream).sum(), [xl, wl, bl]))
     assert fused_ce.plan(x.requires_grad_(), w, t, reduction="none", workspace_bytes=KEEP).keeps_logits
-    for kept, recomputed in zip(results[KEEP], results[LEAN]):
-        assert rel_err(kept.float(), recomputed.float()) < 1e-2
+    assert 0 < fused_ce.plan(x, w, t, reduction="none", workspace_bytes=some).kept_rows < int((t != -100).sum())
+    for workspace in (KEEP, some):
+        for kept, recomputed in zip(results[workspace], results[LEAN]):
+            assert rel_err(kept.float(), recomputed.float()) < 1e-2
 
 
 @pytest.mark.cuda
@@ -144,13 +157,17 @@ def test_lse_gradient_of_ignored_rows_and_a_second_backward_recompute():
 
 
 @pytest.mark.cuda
-def test_captured_forward_and_backward_match_eager_with_masked_targets():
+@pytest.mark.parametrize("keep", ["all", "some"])
+def test_captured_forward_and_backward_match_eager_with_masked_targets(keep):
+    # (captured: every row runs, counted ones first; "some": the first 600 of that order are kept, as eager
+    # keeps the first 600 counted rows)
     x, w, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda", ignore_frac=0.0)
     xs, ws, ts = x.clone().requires_grad_(), w.clone().requires_grad_(), t.clone()
     adv = torch.randn(N, device="cuda")
+    workspace = KEEP if keep == "all" else partial(torch.bfloat16)
 
     def step(x, w, t):
-        lp = fused_ce.linear_log_probs(x, w, t, return_entropy=True, workspace_bytes=KEEP)
+        lp = fused_ce.linear_log_probs(x, w, t, return_entropy=True, workspace_bytes=workspace)
         ((lp.log_probs * adv).sum() + 0.01 * lp.entropy.sum()).backward()
         return lp.log_probs
 
@@ -176,12 +193,14 @@ def test_captured_forward_and_backward_match_eager_with_masked_targets():
 
 
 @pytest.mark.cuda
-def test_compiled_fullgraph_dynamic_matches_eager():
+@pytest.mark.parametrize("keep", ["all", "some"])
+def test_compiled_fullgraph_dynamic_matches_eager(keep):
     x, w, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda")
     adv = torch.randn(N, device="cuda")
+    workspace = KEEP if keep == "all" else partial(torch.bfloat16, rows=520)
 
     def objective(x, w, t, adv):
-        out = fused_ce.linear_log_probs(x, w, t, return_entropy=True, workspace_bytes=KEEP)
+        out = fused_ce.linear_log_probs(x, w, t, return_entropy=True, workspace_bytes=workspace)
         return (out.log_probs * adv).sum() + 0.01 * out.entropy.sum()
 
     compiled = torch.compile(objective, fullgraph=True, dynamic=True)
@@ -195,13 +214,17 @@ def test_compiled_fullgraph_dynamic_matches_eager():
 
 
 @pytest.mark.cuda
-def test_opcheck():
+@pytest.mark.parametrize("keep", ["all", "some"])
+def test_opcheck(keep):
     # every target counted: the kept logits of ignored rows are not computed (left uninitialised), so two runs
     # would differ there
-    x, w, t, b = make_problem(200, 64, 1024, dtype=torch.bfloat16, device="cuda", ignore_frac=0.0, bias=True)
-    options = dict(reduction="none", return_entropy=True, workspace_bytes=KEEP)
+    rows = 200 if keep == "all" else 700  # "some": 512 of them kept
+    x, w, t, b = make_problem(rows, 64, 1024, dtype=torch.bfloat16, device="cuda", ignore_frac=0.0, bias=True)
+    workspace = KEEP if keep == "all" else partial(torch.bfloat16, rows=512, d=64, v=1024)
+    options = dict(reduction="none", return_entropy=True, workspace_bytes=workspace)
     torch.library.opcheck(torch.ops.fused_ce._linear_cross_entropy_keeping_logits.default, (x, w, t, b), options)
     loss, lse, entropy, _, logits = torch.ops.fused_ce._linear_cross_entropy_keeping_logits(x, w, t, b, **options)
+    assert logits.shape == (rows if keep == "all" else 512, 1024)
     grad_loss, grad_entropy = torch.randn_like(loss), torch.randn_like(entropy)
     # (its logits become their gradient: the checks that run it on clones of its arguments)
     torch.library.opcheck(
@@ -210,3 +233,37 @@ def test_opcheck():
         options,
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_some_rows_kept_the_others_in_vocabulary_tiles_within_the_budget(dtype):
+    # 512 rows kept of 3600 counted: the others' tiles (vocabulary slices, several row blocks) take the kept
+    # tensor's storage, so the whole fwd+bwd stays within the workspace (beside inputs and gradients)
+    n, d, v = 4096, 64, 8192
+    x, w, t, b = make_problem(n, d, v, dtype=dtype, device="cuda", ignore_frac=0.12, bias=True)
+    workspace = partial(dtype, rows=512, d=d, v=v)
+    xl, wl, bl = leaves(x, w, b)
+    forward = fused_ce.plan(xl, wl, t, reduction="none", linear_bias=bl, workspace_bytes=workspace)
+    backward = fused_ce.plan(
+        xl, wl, t, reduction="none", linear_bias=bl, workspace_bytes=workspace, pass_="backward_from_logits"
+    )
+    assert forward.pass_ == "forward_keeping_logits" and forward.kept_rows == 512
+    assert backward.strategy == "vocab_tiles" and backward.tile_cols < v
+    assert -(-(int((t != -100).sum()) - 512) // backward.block_rows) >= 2  # row blocks after the kept one
+    upstream = torch.randn(n, device="cuda", dtype=torch.float64)
+    lp64, entropy64, want = float64_grads(x, w, t, b, upstream, 0.1 * upstream)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fused_ce.linear_log_probs(xl, wl, t, linear_bias=bl, return_entropy=True, workspace_bytes=workspace)
+    u = upstream.float()
+    got = torch.autograd.grad((out.log_probs * u).sum() + (out.entropy * 0.1 * u).sum(), [xl, wl, bl])
+    grads = sum(g.numel() * g.element_size() for g in got)
+    peak = torch.cuda.max_memory_allocated() - base - grads
+    assert peak < 1.1 * workspace, (peak, workspace)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out.log_probs, lp64) < tolerance and rel_err(out.entropy, entropy64) < tolerance
+    assert max(rel_err(g, e) for g, e in zip(got, want)) < tolerance
+    assert (got[0][t == -100] == 0).all()
