@@ -53,10 +53,18 @@ def step_fn(x, w, t, workspace, per_token):
 
 
 def step_plan(x, w, t, workspace, per_token):
+    import fused_ce
+
     if not per_token:
         return plan_summary(x, w, t, workspace_bytes=workspace)
-    return "; ".join(
-        plan_summary(x, w, t, workspace_bytes=workspace, reduction="none", pass_=p) for p in ("forward", "backward")
+    forward = fused_ce.plan(x.detach().requires_grad_(), w, t, reduction="none", workspace_bytes=workspace)
+    backward = "backward_from_logits" if forward.keeps_logits else "backward"
+    kept = f" ({forward.kept_rows} rows kept)" if forward.keeps_logits else ""
+    return (
+        "; ".join(
+            plan_summary(x, w, t, workspace_bytes=workspace, reduction="none", pass_=p) for p in ("forward", backward)
+        )
+        + kept
     )
 
 

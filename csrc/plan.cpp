@@ -238,6 +238,17 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
     plan.tile_cols = p.V;
     plan.workspace_bytes = rows * row_bytes;
   };
+  if (plan.pass == Pass::ForwardKeepingLogits && plan.kept_rows < p.N) {
+    // some rows kept: the others first, in Pass::Forward's blocks (their buffer freed), then the kept rows in one
+    const int64_t forward_gathered = gathered_row_bytes(p, Pass::Forward, selected);
+    Problem rest = p;
+    rest.N = p.N - plan.kept_rows;
+    const int64_t rest_capacity = stored_logits_rows(rest, plan.budget_bytes, forward_gathered);
+    stored_logits(balanced_block_rows(rest.N, rest_capacity, arch.gemm_tile_rows));
+    plan.workspace_bytes =
+        std::max(plan.block_rows * (cuda_logits_row_bytes(p) + forward_gathered), plan.kept_rows * row_bytes);
+    return;
+  }
   if (plan.pass == Pass::ForwardKeepingLogits ||
       (plan.pass == Pass::BackwardFromLogits && plan.kept_rows >= p.N)) {
     // the kept rows' logits in one block, kept from the forward for the backward (kept_logit_rows); where
@@ -323,11 +334,11 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
 
 // The plan of problem p's N rows, all of them or (`selected`) rows gathered from a larger x; `kept`: the
 // kept-logits passes' kept rows.
-Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected, int64_t kept_rows = 0) {
+Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected, int64_t kept_rows = -1) {
   Plan plan;
   plan.pass = pass;
   plan.rows = p.N;
-  if (pass == Pass::ForwardKeepingLogits) plan.kept_rows = p.N;
+  if (pass == Pass::ForwardKeepingLogits) plan.kept_rows = kept_rows >= 0 ? std::min(kept_rows, p.N) : p.N;
   if (pass == Pass::BackwardFromLogits) plan.kept_rows = std::clamp<int64_t>(kept_rows, 0, p.N);
   plan.counted_rows_only = selected;
   plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
@@ -387,8 +398,12 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
   const bool kept_pass = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
   TORCH_CHECK(pass != Pass::BackwardFromLogits || kept >= 0, "fused_ce: Pass::BackwardFromLogits needs the kept rows");
   // (of the problem's own rows: a selection of rows is planned for a call that has decided)
-  const bool keeps = pass == Pass::Forward && !p.row_index.defined() && keeps_logits(p.x, p.w, p.target, o);
+  const bool keeps = (pass == Pass::Forward || pass == Pass::ForwardKeepingLogits) && !p.row_index.defined() &&
+                     keeps_logits(p.x, p.w, p.target, o);
   const int64_t kept_rows = keeps ? kept_logit_rows(p.x, p.w, p.target, o).guard_int(__FILE__, __LINE__) : 0;
+  // the kept rows the passes plan for: the caller's (the kept tensor's) for the backward, the problem's own for
+  // its forward (a selection of rows: the one being kept, all of them)
+  if (pass == Pass::ForwardKeepingLogits) kept = keeps ? kept_rows : -1;
   const auto with_keeps = [&](Plan plan) {
     plan.keeps_logits = kept_pass || keeps;
     if (pass == Pass::Forward) plan.kept_rows = std::min(kept_rows, plan.rows);

@@ -231,9 +231,10 @@ def linear_cross_entropy(
             (``(argmax == target).sum() / (target != ignore_index).sum()``).
         workspace_bytes: bound on the blocks of logits held at once (default 504 MiB on CUDA, 32 MiB on CPU);
             larger blocks run closer to the GEMM rate, smaller ones save memory. At least one row of logits
-            is held (``V`` float32 values on CPU). With ``reduction='none'`` and a gradient, a CUDA budget with
-            room for every row's logits keeps them from the forward for the backward (held in between:
-            6NDV flops instead of 8NDV; ``plan(...).keeps_logits``). :func:`plan` shows what a budget buys.
+            is held (``V`` float32 values on CPU). With ``reduction='none'`` and a gradient on CUDA, the
+            forward keeps the logits of as many rows as the budget holds for the backward (held in between);
+            a budget with room for every row's keeps them all: 6NDV flops instead of 8NDV
+            (``plan(...).keeps_logits``, ``plan(...).kept_rows``). :func:`plan` shows what a budget buys.
         process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor parallel):
             ``linear_weight`` and ``linear_bias`` are this rank's contiguous shard of the classes (shards may
             differ in size), ``input`` is the same on every rank, targets and class weights are global. Every
@@ -571,9 +572,11 @@ def plan(
     """The plan :func:`linear_cross_entropy` follows for these arguments (its keywords), without running it.
 
     ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
-    gradients, "forward_keeping_logits" where a per-row loss needs them and its logits fit in the workspace
-    (``keeps_logits``: its backward, "backward_from_logits", then multiplies them back instead of computing them
-    again), else "forward"; a per-row loss or a gradient through the lse otherwise runs "backward" later.
+    gradients, "forward_keeping_logits" where a per-row loss needs them on CUDA and the workspace holds at least
+    a few hundred rows' logits (``keeps_logits``; ``kept_rows``: every counted row where they all fit, else the
+    first of them: its backward, "backward_from_logits", multiplies those back instead of computing them again
+    and computes the others' in their storage), else "forward"; a per-row loss or a gradient through the lse
+    otherwise runs "backward" later.
     The plan depends on shapes, dtypes, strides, device and the number of counted (not ignored) targets,
     which it reads (one host read on CUDA); expanded tensors serve for the rest.
     """

@@ -2,7 +2,9 @@
 backward_tiles): row blocks x vocabulary slices, each slice's gradient from the forward's lse alone, dX summed over
 the slices, dW over the row blocks. Against float64, with every masking pattern (the counted rows gathered once
 per block; dX of the slices summed in float32), bias, softcap, temperature, the entropy, and the cross-entropy's
-features."""
+features. Such a budget also keeps the first rows' logits from the forward (kept_logit_rows): the first backward
+reads them and computes the others' tiles in their storage; a second backward through the retained graph runs
+the recomputing backward itself. Both are checked."""
 
 import pytest
 import torch
@@ -46,11 +48,14 @@ def test_log_probs_and_entropy_gradients_in_tiles_match_float64(dtype, mask):
     lp64, entropy64, _ = reference(x64, w64, t, b64, **features)
     want = torch.autograd.grad((lp64 * u1).sum() + (entropy64 * u2).sum(), [x64, w64, b64])
     out = fused_ce.linear_log_probs(xl, wl, t, linear_bias=bl, return_entropy=True, workspace_bytes=budget, **features)
-    got = torch.autograd.grad((out.log_probs * u1.float()).sum() + (out.entropy * u2.float()).sum(), [xl, wl, bl])
-    assert all(g.dtype == dtype for g in got)
-    assert (got[0][t == -100] == 0).all()  # exact zeros at ignored rows
-    errors = [rel_err(g, e) for g, e in zip(got, want)]
-    assert max(errors) < (1e-5 if dtype == torch.float32 else 2e-2), errors
+    objective = (out.log_probs * u1.float()).sum() + (out.entropy * u2.float()).sum()
+    kept = torch.autograd.grad(objective, [xl, wl, bl], retain_graph=True)
+    recomputed = torch.autograd.grad(objective, [xl, wl, bl])
+    for got in (kept, recomputed):
+        assert all(g.dtype == dtype for g in got)
+        assert (got[0][t == -100] == 0).all()  # exact zeros at ignored rows
+        errors = [rel_err(g, e) for g, e in zip(got, want)]
+        assert max(errors) < (1e-5 if dtype == torch.float32 else 2e-2), errors
 
 
 @pytest.mark.parametrize("features", CROSS_ENTROPY_FEATURES, ids=str)
@@ -73,10 +78,14 @@ def test_cross_entropy_none_in_tiles_matches_float64(features):
     loss = fused_ce.linear_cross_entropy(
         xl, wl, t, linear_bias=bl, reduction="none", workspace_bytes=budget, **features
     )
-    got = torch.autograd.grad((loss * upstream.float()).sum(), [xl, wl, bl])
+    objective = (loss * upstream.float()).sum()
     assert rel_err(loss, want_loss) < 1e-5
-    errors = [rel_err(g, e) for g, e in zip(got, want)]
-    assert max(errors) < 1e-5, errors
+    for got in (
+        torch.autograd.grad(objective, [xl, wl, bl], retain_graph=True),
+        torch.autograd.grad(objective, [xl, wl, bl]),
+    ):
+        errors = [rel_err(g, e) for g, e in zip(got, want)]
+        assert max(errors) < 1e-5, errors
 
 
 def test_only_the_gradients_asked_for():

@@ -162,9 +162,10 @@ def test_bad_temperature_is_an_error():
 
 @pytest.mark.cuda
 def test_gradient_kernels_match_on_cuda():
-    # the recomputing stored-logits backward (cuBLAS logits, softmax_grad with the entropy's term) against float64,
-    # in a workspace with room for blocks of logits but not for all of them (those: test_kept_logits.py): the
-    # counted rows in one block, two vocabulary slices (test_backward_tiles.py)
+    # the stored-logits backward (cuBLAS logits, softmax_grad with the entropy's term) against float64, in a
+    # workspace with room for blocks of logits but not for all of them (all: test_kept_logits.py): the first
+    # rows' logits kept from the forward, the others' computed again; the recomputing backward alone plans two
+    # vocabulary slices (test_backward_tiles.py)
     x, w, t, b = make_problem(3000, 256, 5000, dtype=torch.float32, device="cuda", bias=True)
     x, w, b = leaves(x, w, b)
     workspace = 32 << 20
@@ -173,7 +174,8 @@ def test_gradient_kernels_match_on_cuda():
     )
     plan = fused_ce.plan(x, w, t, reduction="none", pass_="backward", linear_bias=b, workspace_bytes=workspace)
     assert plan.strategy == "vocab_tiles" and plan.counted_rows_only
-    assert not fused_ce.plan(x, w, t, reduction="none", linear_bias=b, workspace_bytes=workspace).keeps_logits
+    forward = fused_ce.plan(x, w, t, reduction="none", linear_bias=b, workspace_bytes=workspace)
+    assert forward.keeps_logits and 512 <= forward.kept_rows < int((t != -100).sum())
     x64, w64, b64 = leaves(x.double(), w.double(), b.double())
     lp, entropy, _ = reference(x64, w64, t, b64, temperature=0.9, softcap=20.0)
     u1, u2 = torch.randn_like(lp), torch.randn_like(lp)

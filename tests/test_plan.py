@@ -144,6 +144,31 @@ def test_per_row_losses_recompute_in_the_backward():
 
 
 @cuda
+def test_per_row_losses_keep_the_first_rows_logits():
+    # shape A within the default 504 MiB: 1925 rows' logits (with room for their gathered x and dX rows) kept
+    # from the forward, the other rows first in its usual blocks; the backward computes the other 14459 rows'
+    # again in five vocabulary slices of two row blocks within the kept tensor's 494 MB (dX summed 4 times more
+    # in float32, dW added once more: backward_tiles' fewest bytes)
+    x, w, t = expanded(*A, torch.bfloat16, "cuda", grad=True)
+    forward = fused_ce.plan(x, w, t, reduction="none")
+    assert (forward.pass_, forward.keeps_logits, forward.kept_rows, forward.block_rows) == (
+        "forward_keeping_logits",
+        True,
+        1925,
+        1920,
+    )
+    assert forward.workspace_bytes <= forward.budget_bytes
+    back = fused_ce.plan(x, w, t, reduction="none", pass_="backward_from_logits")
+    assert (back.strategy, back.kept_rows, back.block_rows, back.tile_cols) == ("vocab_tiles", 1925, 7232, 25664)
+    assert back.grad_input_dtype == back.grad_weight_dtype == torch.bfloat16
+    # room for every row's logits: all kept (6NDV), one block
+    everything = fused_ce.plan(x, w, t, reduction="none", workspace_bytes=8 << 30)
+    assert everything.kept_rows == everything.block_rows == A[0]
+    # room for fewer than 512 rows: none kept, the recomputing backward
+    assert not fused_ce.plan(x, w, t, reduction="none", workspace_bytes=64 * MiB).keeps_logits
+
+
+@cuda
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_rank_one_smoothing_needs_class_weights_and_no_softcap(softcap):
     x, w, t = expanded(*C, torch.bfloat16, "cuda", grad=True)
