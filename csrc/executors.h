@@ -77,5 +77,7 @@ RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const 
 // out (+)= alpha * a @ b, accumulating in out's dtype (a float32 out from float16 or bfloat16 a and b: cuBLAS's
 // float32 output where torch has it).
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha = 1.0);
+// out += alpha * the column sums of block (the bias's gradient), `ones` a row of ones kept between calls.
+void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha = 1.0);
 
 }  // namespace fused_ce

@@ -10,10 +10,7 @@ namespace fused_ce {
 
 void logits_into(const Problem& p, at::Tensor& out, double scale) {
   if (p.bias.defined()) {
-    // the bias broadcast into out, then the product added in place (one rounding): addmm_out with the bias as
-    // its input allocated a temporary the size of out on CUDA (torch 2.11: measured, a block beyond the budget)
-    out.copy_(p.bias.expand_as(out));
-    out.addmm_(p.x, p.w.t(), /*beta=*/scale, /*alpha=*/scale);
+    at::addmm_out(out, p.bias, p.x, p.w.t(), /*beta=*/scale, /*alpha=*/scale);
   } else if (scale != 1.0) {
     at::addmm_out(out, out, p.x, p.w.t(), /*beta=*/0, /*alpha=*/scale);  // beta 0: out's contents are not read
   } else {

@@ -56,7 +56,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   }
   const int64_t rows = plan.block_rows;
   at::Tensor logits_buffer = stored_logits ? at::empty({rows, p.V}, p.x.options().dtype(gemm_dtype)) : at::Tensor();
-  at::Tensor gx_buffer;
+  at::Tensor gx_buffer, ones;
   const Problem stored = reading_stored_logits(p, plan);
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
@@ -93,7 +93,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       scatter_input_grad(p, g.input, gx, r0);
     }
     if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, unscale);
-    if (need[2]) g.bias.add_(block.sum(0, false, dtype), unscale);
+    if (need[2]) add_column_sums(g.bias, block, ones, unscale);
   }
   return {s, g};
 }
@@ -108,6 +108,7 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
   const int64_t rows = plan.block_rows, cols = plan.tile_cols;
   Grads g = allocate_grads(p, plan, need);
   const at::Tensor buffer = at::empty({rows * cols}, p.x.options());
+  at::Tensor ones;
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
     const Problem pr = p.rows(r0, r1);
@@ -121,7 +122,7 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
       cuda_softmax_grad(pt, cr, lse, block, o.smoothing());
       if (need[0]) gemm_into(g.input.narrow(0, r0, r1 - r0), block, pt.w, v0 > 0);
       if (need[1]) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), pr.x, r0 > 0);
-      if (need[2]) g.bias.narrow(0, v0, v1 - v0).add_(block.sum(0, false, loss_dtype(p)));
+      if (need[2]) add_column_sums(g.bias.narrow(0, v0, v1 - v0), block, ones);
     }
   }
   return {s, g};
