@@ -142,12 +142,12 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
   const bool sliced = cols < p.V;
   Workspace workspace(kept);
   const at::Tensor buffer = workspace.take({rows * cols}, p.x.options());
-  const at::Tensor gx_sums = need_x && sliced ? workspace.take({rows, p.D}, p.x.options().dtype(at::kFloat))
-                                              : at::Tensor();
+  const at::Tensor gx_sums =
+      need_x && sliced ? workspace.take({rows, p.D}, p.x.options().dtype(at::kFloat)) : at::Tensor();
   // selected rows: their x gathered (once per block for all its slices), their dX before its scatter
   const at::Tensor gathered = p.row_index.defined() ? workspace.take({rows, p.D}, p.x.options()) : at::Tensor();
-  at::Tensor gx_buffer = need_x && !sliced && p.row_index.defined() ? workspace.take({rows, p.D}, p.x.options())
-                                                                    : at::Tensor();
+  at::Tensor gx_buffer =
+      need_x && !sliced && p.row_index.defined() ? workspace.take({rows, p.D}, p.x.options()) : at::Tensor();
   for (int64_t r0 = first; r0 < p.N; r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
     const Problem pr = stored.rows(r0, r1, gathered);

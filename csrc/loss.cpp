@@ -198,7 +198,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const RowStats rest_stats = forward_stats(rest, o, make_plan(rest, o, Pass::Forward));
     logits = at::empty({capacity, shard.V}, p.x.options());
     const Problem kept_part = shard.row_range(0, kept_n);
-    const RowStats kept_stats = forward_stats(kept_part, o, make_plan(kept_part, o, Pass::ForwardKeepingLogits), logits);
+    const RowStats kept_stats =
+        forward_stats(kept_part, o, make_plan(kept_part, o, Pass::ForwardKeepingLogits), logits);
     s = RowStats::allocate(shard, {o.smoothing(), o.return_entropy, o.return_argmax});
     s.rows(0, kept_n).copy_(kept_stats);
     s.rows(kept_n, run.N).copy_(rest_stats);

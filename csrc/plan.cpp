@@ -249,8 +249,7 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
         std::max(plan.block_rows * (cuda_logits_row_bytes(p) + forward_gathered), plan.kept_rows * row_bytes);
     return;
   }
-  if (plan.pass == Pass::ForwardKeepingLogits ||
-      (plan.pass == Pass::BackwardFromLogits && plan.kept_rows >= p.N)) {
+  if (plan.pass == Pass::ForwardKeepingLogits || (plan.pass == Pass::BackwardFromLogits && plan.kept_rows >= p.N)) {
     // the kept rows' logits in one block, kept from the forward for the backward (kept_logit_rows); where
     // they are every row, the backward's GEMMs run over all rows at once, dW in one product (one rounding)
     stored_logits(std::max<int64_t>(p.N, 1));
