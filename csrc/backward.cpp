@@ -52,8 +52,12 @@ void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool ac
 }
 
 void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha) {
-  // a product with a row of ones (cuBLAS, in out's dtype): ATen's column reduction of a large block allocated a
-  // staging buffer of about the block's size on CUDA (measured: 26 MiB for a 1.5k-row tile, beyond the budget)
+  if (!block.is_cuda()) {  // (ATen's pairwise sums: float32 blocks' sums as accurate as torch's)
+    out.add_(block.sum(0, false, out.scalar_type()), alpha);
+    return;
+  }
+  // on CUDA a product with a row of ones (cuBLAS, in out's dtype): ATen's column reduction of a large block
+  // allocated a staging buffer of about the block's size (measured: 26 MiB for a 1.5k-row tile, beyond the budget)
   if (!ones.defined() || ones.size(1) < block.size(0)) ones = at::ones({1, block.size(0)}, block.options());
   gemm_into(out.view({1, -1}), ones.narrow(1, 0, block.size(0)), block, /*accumulate=*/true, alpha);
 }

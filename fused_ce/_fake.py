@@ -2,7 +2,8 @@
 
 They are also the ops' kernels for meta tensors, so they check the devices as the real kernels do: a meta
 tensor mixed with others is an error, as in torch, never an uninitialised result. Options pass by name
-(csrc/options.h); only ``reduction``, ``return_entropy`` and ``return_argmax`` change a shape.
+(csrc/options.h); only ``reduction``, ``return_entropy`` and ``return_argmax`` change a shape, and the kept
+logits' rows follow the workspace (``_kept_logit_rows``).
 """
 
 import torch
