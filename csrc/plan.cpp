@@ -331,8 +331,8 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
   }
 }
 
-// The plan of problem p's N rows, all of them or (`selected`) rows gathered from a larger x; `kept`: the
-// kept-logits passes' kept rows.
+// The plan of problem p's N rows, all of them or (`selected`) rows gathered from a larger x; `kept_rows`: the
+// kept-logits passes' kept rows (-1: the forward's every row).
 Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected, int64_t kept_rows = -1) {
   Plan plan;
   plan.pass = pass;
