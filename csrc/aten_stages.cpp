@@ -9,14 +9,23 @@ namespace fused_ce {
 
 namespace {
 
-// Transformed logits z for all rows of p and columns [v_begin, v_end), in the
-// loss dtype.
+// Transformed logits z for all rows of p and columns [v_begin, v_end), in the loss dtype: the product (and
+// the bias) in the input dtype, as torch's F.linear, so that the weight is never converted (plan_aten_chunks);
+// float16's at kFloat16LogitsScale, finite beyond float16's range.
 at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
-  const auto dtype = loss_dtype(p);
-  at::Tensor w = p.w.narrow(0, v_begin, v_end - v_begin).to(dtype);
-  at::Tensor z = p.x.to(dtype).matmul(w.t());
-  if (p.bias.defined()) z.add_(p.bias.narrow(0, v_begin, v_end - v_begin).to(dtype));
-  if (p.logit_scale != 1.0) z.mul_(p.logit_scale);
+  const at::Tensor w = p.w.narrow(0, v_begin, v_end - v_begin);
+  const double scale = p.x.scalar_type() == at::kHalf ? kFloat16LogitsScale : 1.0;
+  at::Tensor product;
+  if (p.bias.defined()) {
+    product = at::addmm(p.bias.narrow(0, v_begin, v_end - v_begin), p.x, w.t(), scale, scale);
+  } else if (scale != 1.0) {
+    product = at::empty({p.x.size(0), w.size(0)}, p.x.options());
+    at::addmm_out(product, product, p.x, w.t(), /*beta=*/0, scale);  // beta 0: product's contents are not read
+  } else {
+    product = at::mm(p.x, w.t());
+  }
+  at::Tensor z = product.to(loss_dtype(p));
+  if (p.logit_scale / scale != 1.0) z.mul_(p.logit_scale / scale);
   if (p.softcap) z.div_(*p.softcap).tanh_().mul_(*p.softcap);
   return z;
 }
@@ -56,7 +65,7 @@ void finish_stats(RowStats& s, const Problem& p, const at::Tensor& m, const at::
 RowStats stats_of(const Problem& p, const at::Tensor& z, const StatsRequest& request) {
   RowStats s = linear_stats_of(p, z, request);
   const at::Tensor m = row_max(z);
-  const at::Tensor e = (z - m).exp_();
+  const at::Tensor e = z.sub_(m).exp_();  // (in place: z is read no more)
   const at::Tensor log_sum = e.sum(1).log_();
   if (request.entropy) s.entropy = entropy_of(e, log_sum);
   finish_stats(s, p, m.squeeze(1), log_sum);
@@ -65,7 +74,7 @@ RowStats stats_of(const Problem& p, const at::Tensor& z, const StatsRequest& req
 
 // The softcap's slope at z, 1 - (z / s)^2, kept before z turns into g.
 at::Tensor softcap_slope(const Problem& p, const at::Tensor& z) {
-  return p.softcap ? 1 - (z / *p.softcap).square_() : at::Tensor();
+  return p.softcap ? z.div(*p.softcap).square_().neg_().add_(1) : at::Tensor();  // (one block-sized temporary)
 }
 
 // The rest of g once g holds p * alpha for columns [v_begin, v_end): the
@@ -77,9 +86,9 @@ at::Tensor finish_grad(at::Tensor g, const Problem& p, const GradCoefficients& c
   const at::Tensor local = p.target - v_begin;
   const at::Tensor hit = local.ge(0).logical_and_(local.lt(v_end - v_begin));
   g.scatter_add_(1, at::where(hit, local, 0).unsqueeze(1), (-c.beta.to(dtype) * hit).unsqueeze(1));
-  if (c.gamma.defined()) {  // label smoothing's term (only then: 0 * an infinite class weight would be NaN)
-    if (p.class_weight.defined()) {
-      g.sub_(c.gamma.to(dtype).unsqueeze(1) * p.class_weight.narrow(0, v_begin, v_end - v_begin).to(dtype));
+  if (c.gamma.defined()) {           // label smoothing's term (only then: 0 * an infinite class weight would be NaN)
+    if (p.class_weight.defined()) {  // (an outer product added in place: no block-sized temporary)
+      g.addr_(c.gamma.to(dtype), p.class_weight.narrow(0, v_begin, v_end - v_begin).to(dtype), 1, -1);
     } else {
       g.sub_(c.gamma.to(dtype).unsqueeze(1));
     }
@@ -105,7 +114,7 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
   if (c.alpha_z.defined()) {  // p * (alpha + alpha_z * log p)
     // (p log p is 0 where p is: -inf logits must not make 0 * -inf)
     const at::Tensor factor =
-        (alpha.unsqueeze(1) + c.alpha_z.to(dtype).unsqueeze(1) * z).masked_fill_(z == -INFINITY, 0);
+        z.mul(c.alpha_z.to(dtype).unsqueeze(1)).add_(alpha.unsqueeze(1)).masked_fill_(z == -INFINITY, 0);
     z.exp_().mul_(factor);
   } else {
     z.exp_().mul_(alpha.unsqueeze(1));
@@ -145,8 +154,8 @@ std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, cons
   const auto dtype = z.scalar_type();
   const at::Tensor alpha = c.alpha.to(dtype) + c.alpha_lse.to(dtype) * s.lse;
   if (c.alpha_z.defined()) {  // p * (alpha + alpha_z * log p), log p = log exp(z - max) - log sum
-    const at::Tensor log_p = (z.log() - log_sum).masked_fill_(z == 0, 0);  // p log p is 0 where p is
-    z.mul_((alpha.unsqueeze(1) + c.alpha_z.to(dtype).unsqueeze(1) * log_p) / sum);
+    at::Tensor factor = z.log().sub_(log_sum).masked_fill_(z == 0, 0);  // log p (p log p is 0 where p is)
+    z.mul_(factor.mul_(c.alpha_z.to(dtype).unsqueeze(1)).add_(alpha.unsqueeze(1)).div_(sum));
   } else {
     z.mul_(alpha.unsqueeze(1) / sum);
   }

@@ -11,84 +11,6 @@ namespace fused_ce {
 
 namespace {
 
-// cuBLAS accumulating a bf16/fp16 product straight into a float32 out
-// (addmm.dtype_out with out as self): torch accepts a float32 self there from
-// some version on; probed once per process, else a float32 product is added.
-bool float32_accumulating_addmm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  static const bool supported = [&] {
-    try {
-      at::Tensor acc = at::zeros({1, 1}, out.options());
-      at::addmm_out(acc, acc, at::ones({1, 1}, a.options()), at::ones({1, 1}, b.options()), at::kFloat);
-      return true;
-    } catch (const c10::Error&) {
-      return false;
-    }
-  }();
-  return supported;
-}
-
-}  // namespace
-
-void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha) {
-  if (out.scalar_type() == a.scalar_type()) {
-    if (accumulate) {
-      out.addmm_(a, b, /*beta=*/1, alpha);
-    } else if (alpha == 1) {
-      at::mm_out(out, a, b);
-    } else {
-      at::addmm_out(out, out, a, b, /*beta=*/0, alpha);  // beta 0: out's contents are not read
-    }
-  } else if (out.is_cuda() && out.scalar_type() == at::kFloat && float32_accumulating_addmm(out, a, b)) {
-    at::addmm_out(out, out, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0, alpha);
-  } else {
-    // a product in out's dtype: float16's, of gradient blocks at Plan::grad_scale, could overflow
-    const at::Tensor product = at::mm(a.to(out.scalar_type()), b.to(out.scalar_type()));
-    if (accumulate) {
-      out.add_(product, alpha);
-    } else {
-      at::mul_out(out, product, alpha);
-    }
-  }
-}
-
-void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha) {
-  if (!block.is_cuda()) {  // (ATen's pairwise sums: float32 blocks' sums as accurate as torch's)
-    out.add_(block.sum(0, false, out.scalar_type()), alpha);
-    return;
-  }
-  // on CUDA a product with a row of ones (cuBLAS, in out's dtype): ATen's column reduction of a large block
-  // allocated a staging buffer of about the block's size (measured: 26 MiB for a 1.5k-row tile, beyond the budget)
-  if (!ones.defined() || ones.size(1) < block.size(0)) ones = at::ones({1, block.size(0)}, block.options());
-  gemm_into(out.view({1, -1}), ones.narrow(1, 0, block.size(0)), block, /*accumulate=*/true, alpha);
-}
-
-Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
-  const auto opts = p.x.options();
-  Grads g;
-  if (need[0]) {
-    g.input = p.row_index.defined() ? at::zeros({p.x.size(0), p.D}, opts.dtype(plan.grad_input_dtype))
-                                    : at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
-  }
-  if (need[1]) {  // zeros where no row will add to it
-    g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
-                        : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
-  }
-  if (need[2] && p.bias.defined()) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
-  return g;
-}
-
-at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::Tensor& buffer, int64_t r0, int64_t r1) {
-  if (!p.row_index.defined()) return grad_input.narrow(0, r0, r1 - r0);
-  if (!buffer.defined()) buffer = at::empty({std::min<int64_t>(p.N, r1 - r0), p.D}, grad_input.options());
-  return buffer.narrow(0, 0, r1 - r0);
-}
-
-void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0) {
-  if (p.row_index.defined()) grad_input.index_copy_(0, p.row_index.narrow(0, r0, rows.size(0)), rows);
-}
-
-namespace {
-
 // Tensors carved from one buffer whose contents are no longer needed (the kept logits once their own rows'
 // gradient has been multiplied back: later kernels on the stream come after those GEMMs), else allocated.
 class Workspace {
@@ -204,7 +126,6 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
   const auto gemm_dtype = plan.logits_dtype;
   Grads g = allocate_grads(p, plan, need);
   if (p.N == 0) return g;  // zeros
-  const at::Tensor w = p.w.to(gemm_dtype);
   at::Tensor block_buffer, gx_buffer, ones;
   if (dot_tiles) {
     const int64_t ld = (plan.tile_cols + 63) / 64 * 64;  // aligned rows for the kernel's stores and for cuBLAS
@@ -225,7 +146,7 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
       } else {
         block = aten_logit_grad(pr, cr, v0, v1).to(gemm_dtype);
       }
-      if (need_x) gemm_into(gx, block, w.narrow(0, v0, v1 - v0), v0 > 0);
+      if (need_x) gemm_into(gx, block, p.w.narrow(0, v0, v1 - v0), v0 > 0);
       if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), x, r0 > 0);
       if (need_b) add_column_sums(g.bias.narrow(0, v0, v1 - v0), block, ones);
     }

@@ -42,7 +42,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   const bool smoothing_in_kernel = o.smoothing() && !rank_one;
   const StatsRequest request = stats_request(o, plan);
   RowStats s = RowStats::allocate(p, request);
-  const at::Tensor w = p.w.to(gemm_dtype);
+  const at::Tensor& w = p.w;  // (never converted whole: gemm_into converts slices where dtypes differ)
   at::Tensor u, neg_gamma;
   if (rank_one) {  // (rank-one smoothing: the cross-entropy's fixed coefficients)
     u = class_weighted_w(p);

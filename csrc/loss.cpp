@@ -122,10 +122,10 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)) {
-  const auto [loss, lse, entropy, argmax] =
-      linear_cross_entropy_all(input, linear_weight, target, linear_bias,
-                               weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
-                                   FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS));
+  const auto [loss, lse, entropy, argmax] = linear_cross_entropy_all(
+      input, linear_weight, target, linear_bias,
+      weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
+          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_CALLER_OPTIONS));
   return {loss, lse};
 }
 
@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr);
   const Plan plan = make_plan(p, o, Pass::Forward, rows.counted);
@@ -155,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse("linear_cross_entropy_backward" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   // the forward checked these targets; the count is read all the same
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
@@ -174,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   TORCH_CHECK_VALUE(keeps_logits(input, linear_weight, target, o),
                     "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept (a per-token loss on "
                     "CUDA whose logits fit in workspace_bytes: fused_ce.plan(...).keeps_logits)");
@@ -218,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
     const std::optional<at::Tensor>& weight, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse("linear_cross_entropy_backward" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const CountedRows rows =
       prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr, /*order_under_capture=*/true);
@@ -242,8 +242,8 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse("linear_cross_entropy_with_grad" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
-  TORCH_CHECK_VALUE(o.scalar(), "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
+  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
+  TORCH_CHECK_VALUE(o.scalar(), "fused_ce::linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'");
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   GradCoefficients unit;
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, &unit);
@@ -274,12 +274,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
                     num(clip_high));
   TORCH_CHECK_VALUE(std::isfinite(kl_coef) && std::isfinite(entropy_coef),
                     "linear_policy_loss: kl_coef and entropy_coef must be finite");
-  // a scalar loss of the log-probs of softcap(logit_scale * z) / temperature (as linear_log_probs'), with the
-  // entropy and argmax where the objective or the stats need them
-  LossOptions o = LossOptions::parse("linear_policy_loss", "sum", ignore_index, 0.0, 0.0, tempered.softcap,
-                                     tempered.logit_scale, workspace_bytes,
-                                     /*lse_of_ignored_rows=*/false, entropy_coef != 0.0 || return_stats,
-                                     return_stats FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
+  LossOptions o =
+      log_prob_options("linear_policy_loss", "sum", tempered, ignore_index, workspace_bytes,
+                       entropy_coef != 0.0 || return_stats, return_stats FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
   o.policy_loss = true;
   Problem p = make_problem(input, linear_weight, target, linear_bias, std::nullopt, o);
   const auto per_token = [&](const char* name, const std::optional<at::Tensor>& t) {
@@ -320,7 +317,7 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const at::Tensor input = args[0].toTensor(), linear_weight = args[1].toTensor(), target = args[2].toTensor();
   const Pass pass = parse_pass(args[3].toStringView());
   const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
-  const LossOptions o = LossOptions::from_ivalues("_plan", args.slice(6));
+  const LossOptions o = LossOptions::from_ivalues(args.slice(6));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
   // (the backward from kept logits: the rows the forward's kept tensor would have)

@@ -61,19 +61,26 @@ AllOutputs call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight
       [&](auto... options) { return op.call(input, linear_weight, target, linear_bias, weight, options...); });
 }
 
+// Whether a scalar loss forms its gradients in the forward (linear_cross_entropy_with_grad). Not float16's on the
+// CPU: at unit scale they are float32 (loss.h), twice the gradients float16 holds, held until the backward, which
+// rounds them beside that: the backward recomputes them at the upstream gradient's scale instead, in float16.
+bool gradients_in_forward(const at::Tensor& input, const LossOptions& o) {
+  return o.scalar() && !(input.scalar_type() == at::kHalf && input.device().is_cpu());
+}
+
 // Autograd: loss, lse and entropy are differentiable in input, linear_weight and
 // linear_bias. For a scalar reduction the gradients are computed in the
 // forward, from the same logits (linear_cross_entropy_with_grad), and the
-// backward only scales them; otherwise (per-element losses, a gradient on the
-// lse or the entropy, or a second backward) the backward op recomputes the
-// logits. Both are ops of their own, so torch.compile and TorchScript see them too.
+// backward only scales them (gradients_in_forward); otherwise (per-element losses,
+// a gradient on the lse or the entropy, or a second backward) the backward op
+// recomputes the logits. Both are ops of their own, so torch.compile and TorchScript see them too.
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& linear_weight,
                                const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
                                const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
     ctx->set_materialize_grads(false);  // an unused lse must not look like a zero gradient
-    const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+    const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
     const bool has_bias = linear_bias && linear_bias->defined();
     const std::array<bool, 3> needs{input.requires_grad(), linear_weight.requires_grad(),
                                     has_bias && linear_bias->requires_grad()};
@@ -81,7 +88,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     ctx->saved_data["options"] = o.to_ivalue();
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor loss, lse, entropy, argmax;
-    if (o.scalar()) {
+    if (gradients_in_forward(input, o)) {
       static auto op =
           op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
       auto [l, s, e, a, gx, gw, gb] = o.apply([&](auto... options) {
@@ -130,7 +137,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       return out;
     };
     const LossOptions o = LossOptions::from_ivalue(ctx->saved_data["options"]);
-    if (o.scalar() && !grad_lse.defined() && !grad_entropy.defined()) {
+    if (gradients_in_forward(saved[0], o) && !grad_lse.defined() && !grad_entropy.defined()) {
       std::vector<at::Tensor> list;
       auto precomputed = ctx->saved_data.find("grads");
       if (precomputed != ctx->saved_data.end()) {
@@ -199,7 +206,7 @@ AllOutputs linear_cross_entropy_all_autograd(const at::Tensor& input, const at::
   TORCH_CHECK(!at::GradMode::is_enabled() || !weight || !weight->defined() || !weight->requires_grad(),
               "linear_cross_entropy: not differentiable with respect to argument 'weight' (class weights); it "
               "cannot have requires_grad=True (detach it)");
-  const LossOptions o = LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   if (!at::GradMode::is_enabled() || !differentiable) {  // no gradient work at all
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_loss_op(input, linear_weight, target, linear_bias, weight, o);
@@ -217,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
   const auto [loss, lse, entropy, argmax] = linear_cross_entropy_all_autograd(
       input, linear_weight, target, linear_bias,
       weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
-          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS));
+          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_CALLER_OPTIONS));
   return {loss, lse};
 }
 
@@ -246,7 +253,7 @@ AllOutputs linear_cross_entropy_all_autocast(const at::Tensor& input, const at::
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   const LinearOperands l = autocast_linear<device_type>(input, linear_weight, linear_bias);
   return call_loss_op(l.input, l.weight, target, l.bias, weight,
-                      LossOptions::parse("linear_cross_entropy" FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS)));
+                      LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)));
 }
 
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
@@ -257,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autocast(
   const auto [loss, lse, entropy, argmax] = linear_cross_entropy_all_autocast<device_type, autocast_key>(
       input, linear_weight, target, linear_bias,
       weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
-          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS));
+          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_CALLER_OPTIONS));
   return {loss, lse};
 }
 
@@ -415,19 +422,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
     const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_LOG_PROB_OPTIONS)
         FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
   const TemperedLogits tempered = at_temperature("linear_log_probs", temperature, softcap, logit_scale);
-  LossOptions o;  // the defaults, then what log-probs need
-  o.reduction = "none";
-  o.ignore_index = ignore_index;
-  o.softcap = tempered.softcap;
-  o.logit_scale = tempered.logit_scale;
-  o.workspace_bytes = workspace_bytes;
-  o.lse_of_ignored_rows = false;
-  o.return_entropy = return_entropy;
-  o.return_argmax = return_argmax;
-  o.process_group = std::string(process_group);
-  o.vocab_start = vocab_start;
-  o.vocab_size = vocab_size;
-  o.max_shard_rows = max_shard_rows;
+  const LossOptions o = log_prob_options("linear_log_probs", "none", tempered, ignore_index, workspace_bytes,
+                                         return_entropy, return_argmax FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
   const auto [loss, lse, entropy, argmax] = call_loss_op(input, linear_weight, target, linear_bias, std::nullopt, o);
   return {loss.neg(), entropy, argmax};
 }

@@ -31,15 +31,20 @@ c10::string_view from<c10::string_view>(const c10::IValue& v) {
 
 }  // namespace
 
-// Exception classes as torch raises them: ValueError for a bad reduction, RuntimeError for label_smoothing;
-// ValueError for the options of our own.
-LossOptions LossOptions::parse(c10::string_view op_name FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
-  const std::string op(op_name);
+LossOptions LossOptions::parse(FUSED_CE_PARAM_LIST(FUSED_CE_ALL_OPTIONS)) {
   LossOptions o;
 #define FUSED_CE_ASSIGN_ITEM(cpp_type, name, ...) o.name = detail::Stored<cpp_type>::type(name);
   FUSED_CE_ALL_OPTIONS(FUSED_CE_ASSIGN_ITEM)
 #undef FUSED_CE_ASSIGN_ITEM
-  o.reduction_kind = parse_reduction(op, reduction);
+  o.check();
+  return o;
+}
+
+// Exception classes as torch raises them: ValueError for a bad reduction, RuntimeError for label_smoothing;
+// ValueError for the options of our own.
+void LossOptions::check() {
+  const std::string& op = caller;
+  reduction_kind = parse_reduction(op, reduction);
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, ": label_smoothing must be in [0, 1], got ",
               num(label_smoothing));
   TORCH_CHECK_VALUE(z_loss >= 0.0 && std::isfinite(z_loss), op, ": z_loss must be a finite value >= 0, got ",
@@ -53,7 +58,7 @@ LossOptions LossOptions::parse(c10::string_view op_name FUSED_CE_PARAMS(FUSED_CE
                     ": logit_scale must be finite and within float32's range, got ", num(logit_scale));
   TORCH_CHECK_VALUE(!workspace_bytes || *workspace_bytes > 0, op, ": workspace_bytes must be positive (or None), got ",
                     num(workspace_bytes.value_or(0)));
-  if (!o.vocab_parallel()) {
+  if (!vocab_parallel()) {
     TORCH_CHECK_VALUE(vocab_start == 0 && vocab_size == 0 && max_shard_rows == 0, op,
                       ": vocab_start, vocab_size and max_shard_rows describe a vocabulary shard and need a "
                       "process_group");
@@ -62,12 +67,6 @@ LossOptions LossOptions::parse(c10::string_view op_name FUSED_CE_PARAMS(FUSED_CE
                       ": a vocabulary shard needs vocab_start >= 0, vocab_size > 0 and max_shard_rows > 0, got ",
                       num(vocab_start), ", ", num(vocab_size), ", ", num(max_shard_rows));
   }
-  return o;
-}
-
-LossOptions LossOptions::parse_loss(c10::string_view op FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)) {
-  return parse(op FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
-                   FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS));
 }
 
 c10::IValue LossOptions::to_ivalue() const {
@@ -75,24 +74,60 @@ c10::IValue LossOptions::to_ivalue() const {
 }
 
 LossOptions LossOptions::from_ivalue(const c10::IValue& value) {
-  return from_ivalues("fused_ce", value.toTupleRef().elements());
+  return from_ivalues(value.toTupleRef().elements());
 }
 
-LossOptions LossOptions::from_ivalues(c10::string_view op, c10::ArrayRef<c10::IValue> v) {
+LossOptions LossOptions::from_ivalues(c10::ArrayRef<c10::IValue> v) {
   TORCH_CHECK(v.size() == kNumOptions, "fused_ce: ", num(v.size()), " option values, expected ", num(kNumOptions));
   LossOptions raw;
   size_t i = 0;
 #define FUSED_CE_FROM_ITEM(cpp_type, name, ...) raw.name = detail::Stored<cpp_type>::type(from<cpp_type>(v[i++]));
   FUSED_CE_ALL_OPTIONS(FUSED_CE_FROM_ITEM)
 #undef FUSED_CE_FROM_ITEM
-  return raw.apply([&](auto... values) { return parse(op, values...); });
+  raw.check();
+  return raw;
 }
 
 TemperedLogits at_temperature(const char* op, double temperature, const std::optional<double>& softcap,
                               double logit_scale) {
   TORCH_CHECK_VALUE(temperature > 0.0 && std::isfinite(temperature), op,
                     ": temperature must be a finite value > 0, got ", num(temperature));
-  return {softcap ? std::optional<double>(*softcap / temperature) : std::nullopt, logit_scale / temperature};
+  // the arguments as given first, then what the temperature makes of them (the kernels' float32 values)
+  TORCH_CHECK_VALUE(!softcap || (*softcap >= FLT_MIN && *softcap <= FLT_MAX), op,
+                    ": softcap must be a value in [1.2e-38, 3.4e38] (float32's normal range) or None, got ",
+                    num(softcap.value_or(0.0)));
+  TORCH_CHECK_VALUE(std::isfinite(logit_scale) && std::fabs(logit_scale) <= FLT_MAX, op,
+                    ": logit_scale must be finite and within float32's range, got ", num(logit_scale));
+  const TemperedLogits tempered{softcap ? std::optional<double>(*softcap / temperature) : std::nullopt,
+                                logit_scale / temperature};
+  TORCH_CHECK_VALUE(!tempered.softcap || (*tempered.softcap >= FLT_MIN && *tempered.softcap <= FLT_MAX), op,
+                    ": temperature ", num(temperature), " takes softcap ", num(*softcap),
+                    " beyond float32's normal range (softcap / temperature = ", num(tempered.softcap.value_or(0.0)),
+                    "); use a temperature closer to 1");
+  TORCH_CHECK_VALUE(std::fabs(tempered.logit_scale) <= FLT_MAX, op, ": temperature ", num(temperature),
+                    " takes the logits' scale beyond float32's range (logit_scale / temperature = ",
+                    num(tempered.logit_scale), "); use a larger temperature");
+  return tempered;
+}
+
+LossOptions log_prob_options(const char* caller, c10::string_view reduction, const TemperedLogits& tempered,
+                             int64_t ignore_index, const std::optional<int64_t>& workspace_bytes, bool entropy,
+                             bool argmax FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+  LossOptions o;  // the defaults, then what the log-probs need
+  o.caller = caller;
+  o.reduction = std::string(reduction);
+  o.ignore_index = ignore_index;
+  o.softcap = tempered.softcap;
+  o.logit_scale = tempered.logit_scale;
+  o.workspace_bytes = workspace_bytes;
+  o.lse_of_ignored_rows = false;
+  o.return_entropy = entropy;
+  o.return_argmax = argmax;
+#define FUSED_CE_ASSIGN_ITEM(cpp_type, name, ...) o.name = detail::Stored<cpp_type>::type(name);
+  FUSED_CE_SHARD_OPTIONS(FUSED_CE_ASSIGN_ITEM)
+#undef FUSED_CE_ASSIGN_ITEM
+  o.check();
+  return o;
 }
 
 }  // namespace fused_ce

@@ -13,7 +13,7 @@
 //     FUSED_CE_LOSS_OPTIONS. It becomes an argument of the public op linear_cross_entropy too; append it
 //     with a default (graphs saved with the old schema keep loading) and never reorder the list.
 //   - an option of the internal ops only: FUSED_CE_OUTPUT_OPTIONS or FUSED_CE_SHARD_OPTIONS.
-//   Then check its value in LossOptions::parse (errors name the argument), make the stages that need it read
+//   Then check its value in LossOptions::check (errors name the argument), make the stages that need it read
 //   it (a Problem field, a kernel argument), and add the keyword to the Python front.
 //
 // What a new output of the op (a per-row value such as the entropy) needs: a RowStats field (problem.h) that
@@ -84,8 +84,13 @@
   X(bool, return_stats, "bool", False)              \
   X(std::optional<int64_t>, workspace_bytes, "int?", None)
 
+// The function the user called, which the errors name: linear_log_probs runs _linear_cross_entropy, whose
+// errors (a bad target, a temperature beyond float32) must still name linear_log_probs and its arguments.
+#define FUSED_CE_CALLER_OPTIONS(X) X(c10::string_view, caller, "str", "linear_cross_entropy")
+
 // Every option, in the internal ops' order.
-#define FUSED_CE_ALL_OPTIONS(X) FUSED_CE_LOSS_OPTIONS(X) FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_SHARD_OPTIONS(X)
+#define FUSED_CE_ALL_OPTIONS(X) \
+  FUSED_CE_LOSS_OPTIONS(X) FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_SHARD_OPTIONS(X) FUSED_CE_CALLER_OPTIONS(X)
 
 // Expansions of a list. Each item begins with a comma, so that a list follows the last tensor argument:
 // "Tensor? weight=None" FUSED_CE_SCHEMA(FUSED_CE_LOSS_OPTIONS), f(..., const at::Tensor& w
@@ -99,6 +104,11 @@
 #define FUSED_CE_PARAMS(LIST) LIST(FUSED_CE_PARAM_ITEM)
 #define FUSED_CE_ARGS(LIST) LIST(FUSED_CE_ARG_ITEM)
 #define FUSED_CE_DEFAULTS(LIST) LIST(FUSED_CE_DEFAULT_ITEM)
+// The same without the leading comma, for a list that begins a parameter or argument list.
+#define FUSED_CE_WITHOUT_FIRST(first, ...) __VA_ARGS__
+#define FUSED_CE_LEADING(items) FUSED_CE_WITHOUT_FIRST(items)
+#define FUSED_CE_PARAM_LIST(LIST) FUSED_CE_LEADING(0 LIST(FUSED_CE_PARAM_ITEM))
+#define FUSED_CE_ARG_LIST(LIST) FUSED_CE_LEADING(0 LIST(FUSED_CE_ARG_ITEM))
 
 namespace fused_ce {
 
@@ -109,8 +119,7 @@ constexpr bool False = false;
 constexpr std::nullopt_t None = std::nullopt;
 }  // namespace schema_values
 
-// The number of options in each list.
-constexpr int kNumLossOptions = 0 FUSED_CE_LOSS_OPTIONS(FUSED_CE_COUNT_ITEM);
+// The number of options of the internal ops.
 constexpr int kNumOptions = 0 FUSED_CE_ALL_OPTIONS(FUSED_CE_COUNT_ITEM);
 
 // The values are the kernels' reduction codes (assemble_loss.py).
@@ -144,45 +153,45 @@ struct LossOptions {
   // float16's gradient scale could rely on (plan.cpp).
   bool policy_loss = false;
 
-  // Checks every value; errors name the argument.
-  static LossOptions parse(c10::string_view op FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
-  // The same for an op that takes only the loss options (the others at their defaults).
-  static LossOptions parse_loss(c10::string_view op FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS));
+  // The options of these values, checked (check()).
+  static LossOptions parse(FUSED_CE_PARAM_LIST(FUSED_CE_ALL_OPTIONS));
+  // Checks every value and sets reduction_kind; errors name the function called (caller) and the argument.
+  void check();
   // Autograd keeps the options as one saved entry.
   c10::IValue to_ivalue() const;
   static LossOptions from_ivalue(const c10::IValue& value);
   // From every option's value in schema order (a boxed call's arguments).
-  static LossOptions from_ivalues(c10::string_view op, c10::ArrayRef<c10::IValue> values);
+  static LossOptions from_ivalues(c10::ArrayRef<c10::IValue> values);
 
   // Label smoothing needs each row's (class-weighted) sum of logits and adds
   // the gamma term to the gradient: the one flag for both.
   bool smoothing() const { return label_smoothing > 0.0; }
   bool scalar() const { return reduction_kind != Reduction::None; }
   bool vocab_parallel() const { return !process_group.empty(); }
-  // Per-row statistics beyond the loss and the lse (the entropy, the argmax).
-  bool extra_outputs() const { return return_entropy || return_argmax; }
 
   // f(reduction, ignore_index, ...): every option in schema order, to call an op with.
   template <typename F>
   decltype(auto) apply(F&& f) const {
 #define FUSED_CE_VALUE_ITEM(cpp_type, name, ...) , cpp_type(name)
     return detail::call_without_first(f, 0 FUSED_CE_ALL_OPTIONS(FUSED_CE_VALUE_ITEM));
-  }
-  // The same with the loss options only (the public op's).
-  template <typename F>
-  decltype(auto) apply_loss(F&& f) const {
-    return detail::call_without_first(f, 0 FUSED_CE_LOSS_OPTIONS(FUSED_CE_VALUE_ITEM));
 #undef FUSED_CE_VALUE_ITEM
   }
 };
 
 // The logits of the per-token log-probs and the policy loss, softcap(logit_scale * z) / temperature, as the loss's
-// options take them: softcap(u) / T is a softcap of s / T on u / T. Checks the temperature (`op` names the call).
+// options take them: softcap(u) / T is a softcap of s / T on u / T. Checks the temperature and what it makes of
+// the softcap and the scale, naming the arguments as `op` (the function called) has them.
 struct TemperedLogits {
   std::optional<double> softcap;
   double logit_scale = 1.0;
 };
 TemperedLogits at_temperature(const char* op, double temperature, const std::optional<double>& softcap,
                               double logit_scale);
+
+// The loss options of linear_log_probs ('none') and linear_policy_loss ('sum'): the log-probs of tempered logits,
+// without the lse of ignored rows, the entropy and argmax where asked for; `caller` named by the errors. Checked.
+LossOptions log_prob_options(const char* caller, c10::string_view reduction, const TemperedLogits& tempered,
+                             int64_t ignore_index, const std::optional<int64_t>& workspace_bytes, bool entropy,
+                             bool argmax FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS));
 
 }  // namespace fused_ce

@@ -94,9 +94,6 @@ int64_t stored_logits_rows(const Problem& p, int64_t budget, int64_t gathered_by
   return std::clamp<int64_t>(budget / (cuda_logits_row_bytes(p) + gathered_bytes), 1, std::max<int64_t>(p.N, 1));
 }
 
-// Plan::logits_scale of float16's stored logits.
-constexpr double kFloat16LogitsScale = 1.0 / 256;
-
 // Plan::grad_scale for float16 gradient blocks: a power of two s with s * |g| < 65504 for every logit
 // gradient g of a scalar loss at unit scale. |g| <= c * (1 + 2 z |lse|) plus smoothing's smaller term,
 // where the row's coefficient c is at most 1 for 'mean' (its class weight over the sum of all counted
@@ -130,25 +127,57 @@ at::ScalarType accumulate_dtype(at::ScalarType dtype, int64_t blocks) {
   return blocks > 1 ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
-// ATen: whole vocabulary rows in the loss dtype, as many rows as fit (at least one: a budget below one row of
-// logits gets one row).
-void plan_aten_chunks(Plan& plan, const Problem& p, bool selected) {
+// The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
+// more) up to input_dtype_accumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
+// V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
+// within 1.5x of one rounding at any N (benchmarks/LOG.md, step 18). An explicit workspace_bytes smaller
+// than that accumulator is a lean request: it keeps the input dtype, trading dW's accuracy for memory.
+at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
+  const int64_t accumulator_bytes = p.V * p.D * int64_t{4};
+  const bool lean = o.workspace_bytes.has_value() && *o.workspace_bytes < accumulator_bytes;
+  return blocks > input_dtype_accumulations(dtype) && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
+}
+
+// ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
+// The products run in the input dtype, as torch's F.linear (the weight is never converted: V x D beside it
+// would dwarf any budget), the softmax in the loss dtype; a block holds its rows' logits in the loss dtype, the
+// product's (or the gradient's) copy in the input dtype beside them, and one more loss-dtype temporary where
+// the softcap's slope or the entropy needs one (aten_stages.cpp). dW of bfloat16 or float16 sums its row blocks
+// in its own dtype up to input_dtype_accumulations blocks, beyond in a float32 accumulator where that fits in
+// half the budget (the blocks take the rest), else in its own dtype: everything within workspace_bytes.
+// float16's gradients at unit scale (the forward with gradient: loss.h) stay float32 through their products,
+// the weight converted a slice at a time (gemm_into): float16 would lose them to underflow.
+void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected) {
   plan.strategy = Strategy::AtenChunks;
-  plan.logits_dtype = loss_dtype(p);
-  const int64_t row_bytes = p.V * int64_t{c10::elementSize(plan.logits_dtype)};
-  const int64_t gathered = gathered_row_bytes(p, plan.pass, selected);
-  plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / (row_bytes + gathered), 1, std::max<int64_t>(p.N, 1));
+  const at::ScalarType dtype = p.x.scalar_type(), math = loss_dtype(p);
+  const bool unit_float16 = dtype == at::kHalf && plan.pass == Pass::ForwardWithGrad;
+  plan.logits_dtype = unit_float16 ? math : dtype;  // the dtype of the products' operands
+  const int64_t math_bytes = c10::elementSize(math), elem = c10::elementSize(dtype);
+  const bool temporary = p.softcap.has_value() || o.return_entropy;
+  const int64_t row_bytes = p.V * (math_bytes + (elem < math_bytes ? elem : 0) + (temporary ? math_bytes : 0)) +
+                            gathered_row_bytes(p, plan.pass, selected);
+  const auto rows_within = [&](int64_t bytes) {
+    return std::clamp<int64_t>(bytes / row_bytes, 1, std::max<int64_t>(p.N, 1));
+  };
+  plan.block_rows = rows_within(plan.budget_bytes);
   plan.tile_cols = p.V;
+  int64_t accumulator_bytes = 0;
   if (plan.pass != Pass::Forward) {
-    plan.grad_input_dtype = plan.logits_dtype;
-    // one block along the reduced dimension, or float32 already
-    plan.grad_weight_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.N, plan.block_rows));
+    // each row's dX from one product over its whole vocabulary row
+    plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
+    const int64_t float32_dw = p.V * p.D * int64_t{sizeof(float)};
+    if (elem < math_bytes && !unit_float16 && cdiv(p.N, plan.block_rows) > input_dtype_accumulations(dtype) &&
+        float32_dw <= plan.budget_bytes / 2) {
+      plan.grad_weight_dtype = at::kFloat;
+      accumulator_bytes = float32_dw;
+      plan.block_rows = rows_within(plan.budget_bytes - accumulator_bytes);
+    }
     // no row at all (every target ignored): zero gradients, made in the input dtype (float16's in float32, as
     // its forward with gradient always returns them: loss.h)
     if (p.N == 0)
       plan.grad_input_dtype = plan.grad_weight_dtype = p.x.scalar_type() == at::kHalf ? at::kFloat : p.x.scalar_type();
   }
-  plan.workspace_bytes = std::min(plan.block_rows, p.N) * (row_bytes + gathered);
+  plan.workspace_bytes = std::min(plan.block_rows, p.N) * row_bytes + accumulator_bytes;
 }
 
 // tl.dot gradient blocks of the recomputing backward: all rows at once and a
@@ -165,17 +194,6 @@ void plan_dot_tile_grads(Plan& plan, const Problem& p) {
   plan.grad_weight_dtype = accumulate_dtype(plan.logits_dtype, cdiv(p.N, plan.block_rows));
   const int64_t ld = cdiv(plan.tile_cols, 64) * 64;  // aligned rows for the kernel's stores and for cuBLAS
   plan.workspace_bytes = plan.block_rows * ld * elem;
-}
-
-// The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
-// more) up to input_dtype_accumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
-// V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
-// within 1.5x of one rounding at any N (benchmarks/LOG.md, step 18). An explicit workspace_bytes smaller
-// than that accumulator is a lean request: it keeps the input dtype, trading dW's accuracy for memory.
-at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
-  const int64_t accumulator_bytes = p.V * p.D * int64_t{4};
-  const bool lean = o.workspace_bytes.has_value() && *o.workspace_bytes < accumulator_bytes;
-  return blocks > input_dtype_accumulations(dtype) && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
 // Pass::Backward's tiles of stored logits: `rows` rows x `cols` columns of the vocabulary (cols = V: row blocks
@@ -346,7 +364,7 @@ Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected,
     plan_kernels(plan, p, o, selected);
   } else {
     TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
-    plan_aten_chunks(plan, p, selected);
+    plan_aten_chunks(plan, p, o, selected);
   }
   return plan;
 }

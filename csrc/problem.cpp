@@ -45,10 +45,6 @@ Problem Problem::row_range(int64_t begin, int64_t end) const {
   return p;
 }
 
-at::Tensor Problem::rows_x() const {
-  return row_index.defined() ? x.index_select(0, row_index) : x;
-}
-
 Problem Problem::select_rows(const at::Tensor& index) const {
   Problem p = *this;
   p.row_index = row_index.defined() ? row_index.index_select(0, index) : index;
@@ -131,45 +127,51 @@ at::ScalarType loss_dtype(const Problem& p) {
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      const LossOptions& o) {
-  TORCH_CHECK_VALUE(input.dim() >= 1, "linear_cross_entropy: input must have at least one dimension [..., D]");
-  TORCH_CHECK(linear_weight.dim() == 2,
-              "linear_cross_entropy: linear_weight must be 2-D [V, D] (K-dimensional losses with linear_weight "
+  const std::string& op = o.caller;  // the function called: errors name it and its argument
+  TORCH_CHECK_VALUE(input.dim() >= 1, op, ": input must have at least one dimension [..., D]");
+  TORCH_CHECK(linear_weight.dim() == 2, op,
+              ": linear_weight must be 2-D [V, D] (K-dimensional losses with linear_weight "
               "[C, d1, ..., D] are not supported), got shape ",
               shape(linear_weight.sizes()));
   const int64_t D = input.size(-1);
   const int64_t rows = linear_weight.size(0);  // classes of this shard (all of them unless vocabulary parallel)
   const int64_t V = o.vocab_parallel() ? o.vocab_size : rows;
-  TORCH_CHECK(linear_weight.size(1) == D, "linear_cross_entropy: linear_weight has ", num(linear_weight.size(1)),
-              " features but input has ", num(D));
-  TORCH_CHECK(rows > 0, "linear_cross_entropy: linear_weight must have at least one class (row)");
-  TORCH_CHECK_VALUE(o.vocab_start + rows <= V, "linear_cross_entropy: the vocabulary shard [", num(o.vocab_start), ", ",
+  TORCH_CHECK(linear_weight.size(1) == D, op, ": linear_weight ", shape(linear_weight.sizes()), " has ",
+              num(linear_weight.size(1)), " features but input has ", num(D),
+              linear_weight.size(0) == D
+                  ? "; linear_weight is laid out [V, D] (one row per class, as nn.Linear's "
+                    "weight): pass it untransposed"
+                  : "; linear_weight is laid out [V, D] (one row per class, as nn.Linear's weight)");
+  TORCH_CHECK(rows > 0, op, ": linear_weight must have at least one class (row)");
+  TORCH_CHECK_VALUE(o.vocab_start + rows <= V, op, ": the vocabulary shard [", num(o.vocab_start), ", ",
                     num(o.vocab_start + rows), ") of linear_weight does not fit in vocab_size ", num(V));
   const auto dtype = input.scalar_type();
-  TORCH_CHECK(at::isFloatingType(dtype) && dtype != at::kFloat8_e4m3fn,
-              "linear_cross_entropy: input must be a floating-point tensor, got ", name(dtype));
-  TORCH_CHECK(linear_weight.scalar_type() == dtype, "linear_cross_entropy: linear_weight dtype ",
-              name(linear_weight.scalar_type()), " does not match input dtype ", name(dtype));
-  TORCH_CHECK(linear_weight.device() == input.device(), "linear_cross_entropy: linear_weight is on ",
-              linear_weight.device().str(), " but input is on ", input.device().str());
-  TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
-              "linear_cross_entropy: target must hold class indices (an integer tensor); class-probability targets "
+  TORCH_CHECK(at::isFloatingType(dtype) && dtype != at::kFloat8_e4m3fn, op,
+              ": input must be a floating-point tensor, got ", name(dtype));
+  TORCH_CHECK(linear_weight.scalar_type() == dtype, op, ": linear_weight dtype ", name(linear_weight.scalar_type()),
+              " does not match input dtype ", name(dtype),
+              ": cast one to the other's dtype, or call it under torch.autocast, which casts both");
+  TORCH_CHECK(linear_weight.device() == input.device(), op, ": linear_weight is on ", linear_weight.device().str(),
+              " but input is on ", input.device().str(), ": move them to one device");
+  TORCH_CHECK(!at::isFloatingType(target.scalar_type()), op,
+              ": target must hold class indices (an integer tensor); class-probability targets "
               "are not supported");
   const auto tdtype = target.scalar_type();
   TORCH_CHECK(
       tdtype == at::kLong || tdtype == at::kInt || tdtype == at::kShort || tdtype == at::kByte || tdtype == at::kChar,
-      "linear_cross_entropy: target must be an integer tensor of class indices, got ", name(tdtype));
-  TORCH_CHECK(target.device() == input.device(), "linear_cross_entropy: target is on ", target.device().str(),
-              " but input is on ", input.device().str());
+      op, ": target must be an integer tensor of class indices, got ", name(tdtype));
+  TORCH_CHECK(target.device() == input.device(), op, ": target is on ", target.device().str(), " but input is on ",
+              input.device().str(), ": move them to one device");
   const auto batch = input.sizes().slice(0, input.dim() - 1);
   // A target shaped like the logits would be class probabilities in torch, which raises RuntimeError for an
   // integer one; so does this.
   std::vector<int64_t> logits_shape(batch.begin(), batch.end());
   logits_shape.push_back(V);
-  TORCH_CHECK(target.sizes() != at::IntArrayRef(logits_shape),
-              "linear_cross_entropy: target has the shape of the logits ", shape(target.sizes()),
+  TORCH_CHECK(target.sizes() != at::IntArrayRef(logits_shape), op, ": target has the shape of the logits ",
+              shape(target.sizes()),
               ", which means class probabilities; those must be floating point and are not supported (class "
               "indices have the input's shape without its last dimension)");
-  TORCH_CHECK_VALUE(target.sizes() == batch, "linear_cross_entropy: target shape ", shape(target.sizes()),
+  TORCH_CHECK_VALUE(target.sizes() == batch, op, ": target shape ", shape(target.sizes()),
                     " must equal input shape without its last dimension ", shape(batch));
 
   Problem p;
@@ -182,22 +184,23 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   p.softcap = o.softcap;
   if (linear_bias && linear_bias->defined()) {
     const at::Tensor& b = *linear_bias;
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == rows, "linear_cross_entropy: linear_bias must have shape [", num(rows),
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == rows, op, ": linear_bias must have shape [", num(rows),
                 "] (one per row of linear_weight), got ", shape(b.sizes()));
-    TORCH_CHECK(b.scalar_type() == dtype, "linear_cross_entropy: linear_bias dtype ", name(b.scalar_type()),
-                " does not match input dtype ", name(dtype));
-    TORCH_CHECK(b.device() == input.device(), "linear_cross_entropy: linear_bias is on ", b.device().str(),
-                " but input is on ", input.device().str());
+    TORCH_CHECK(b.scalar_type() == dtype, op, ": linear_bias dtype ", name(b.scalar_type()),
+                " does not match input dtype ", name(dtype),
+                ": cast one to the other's dtype, or call it under torch.autocast, which casts both");
+    TORCH_CHECK(b.device() == input.device(), op, ": linear_bias is on ", b.device().str(), " but input is on ",
+                input.device().str(), ": move them to one device");
     p.bias = b.contiguous();
   }
   if (weight && weight->defined()) {
     const at::Tensor& cw = *weight;
-    TORCH_CHECK(cw.dim() == 1 && cw.size(0) == V, "linear_cross_entropy: weight (class weights) must have shape [",
-                num(V), "], got ", shape(cw.sizes()));
-    TORCH_CHECK(at::isFloatingType(cw.scalar_type()),
-                "linear_cross_entropy: weight (class weights) must be floating point, got ", name(cw.scalar_type()));
-    TORCH_CHECK(cw.device() == input.device(), "linear_cross_entropy: weight (class weights) is on ", cw.device().str(),
-                " but input is on ", input.device().str());
+    TORCH_CHECK(cw.dim() == 1 && cw.size(0) == V, op, ": weight (class weights) must have shape [", num(V), "], got ",
+                shape(cw.sizes()));
+    TORCH_CHECK(at::isFloatingType(cw.scalar_type()), op, ": weight (class weights) must be floating point, got ",
+                name(cw.scalar_type()));
+    TORCH_CHECK(cw.device() == input.device(), op, ": weight (class weights) is on ", cw.device().str(),
+                " but input is on ", input.device().str(), ": move them to one device");
     p.class_weight = cw.to(loss_dtype(p)).contiguous();
   }
   p.target = target.reshape({p.N}).to(at::kLong).contiguous();

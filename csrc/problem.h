@@ -46,8 +46,6 @@ struct Problem {
   // The problem of rows `index` ([K] int64 of this problem's rows, ascending): targets and target weights
   // selected now, x gathered block by block (rows()).
   Problem select_rows(const at::Tensor& index) const;
-  // x of these rows: x itself, or the selected rows gathered.
-  at::Tensor rows_x() const;
 };
 
 // The loss's cross-entropy term per row is target_gap + log_sum: no cancellation between large numbers
@@ -86,6 +84,10 @@ struct GradCoefficients {
   GradCoefficients scaled(double s) const;  // the gradient times s (lse as it is)
   GradCoefficients select_rows(const at::Tensor& index) const;
 };
+
+// float16's logits held (stored blocks: Plan::logits_scale) or formed (the ATen stages' products) at this scale:
+// logits up to 65504 / scale stay finite, beyond float16's own range.
+constexpr double kFloat16LogitsScale = 1.0 / 256;
 
 // The dtype of the loss and of the ATen stages' arithmetic: float64 for float64 inputs, else float32.
 at::ScalarType loss_dtype(const Problem& p);

@@ -23,9 +23,8 @@ std::atomic<bool> captured_any{false};
 [[noreturn]] void bad_target_error(const at::Tensor& raw, const LossOptions& o, int64_t V) {
   const at::Tensor bad = raw.ne(o.ignore_index).logical_and_(raw.lt(0).logical_or_(raw.ge(V)));
   const int64_t value = raw.masked_select(bad).flatten()[0].item<int64_t>();
-  TORCH_CHECK_INDEX(false, "linear_cross_entropy: target ", num(value),
-                    " is out of bounds: class indices must be in [0, ", num(V), ") or ignore_index (",
-                    num(o.ignore_index), ")");
+  TORCH_CHECK_INDEX(false, o.caller, ": target ", num(value), " is out of bounds: class indices must be in [0, ",
+                    num(V), ") or ignore_index (", num(o.ignore_index), ")");
   __builtin_unreachable();
 }
 
@@ -36,8 +35,7 @@ void report_captured_bad_targets(const Problem& p) {
   auto it = captured_bad.find(p.x.device().index());
   if (it != captured_bad.end() && it->second.item<int>() != 0) {
     it->second.zero_();
-    TORCH_CHECK_INDEX(false, "linear_cross_entropy: a call replayed from a CUDA graph saw class indices outside [0, ",
-                      num(p.V),
+    TORCH_CHECK_INDEX(false, "fused_ce: a call replayed from a CUDA graph saw class indices outside [0, ", num(p.V),
                       ") that are not ignore_index (its loss was NaN, those rows counted as ignored); "
                       "reported by the first call outside capture since");
   }

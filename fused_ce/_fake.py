@@ -26,28 +26,37 @@ def _loss_dtype(input):
     return torch.float64 if input.dtype == torch.float64 else torch.float32
 
 
-def _check_devices(input, *tensors):
-    for t in tensors:
+def _check_devices(caller, input, **tensors):
+    """The devices as the real kernels check them: each tensor on input's, else an error naming it."""
+    for name, t in tensors.items():
         torch._check(
             t is None or t.device == input.device,
-            lambda t=t: (
-                "Expected all tensors to be on the same device, but found at least two devices, "
-                f"{input.device} and {t.device}!"
+            lambda t=t, name=name: (
+                f"{caller}: {name} is on {t.device} but input is on {input.device}: move them to one device"
             ),
         )
 
 
-def _outputs(input, linear_weight, target, linear_bias, weight, reduction, return_entropy, return_argmax):
-    torch._check(input.dim() >= 1, lambda: "linear_cross_entropy: input must have at least one dimension")
-    torch._check(linear_weight.dim() == 2, lambda: "linear_cross_entropy: linear_weight must be 2-D [V, D]")
+def _outputs(a, return_entropy=False, return_argmax=False):
+    """The loss ops' (loss, lse, entropy, argmax) from their arguments by name."""
+    caller = a.get("caller", "linear_cross_entropy")
+    input, linear_weight, target = a["input"], a["linear_weight"], a["target"]
+    reduction = a["reduction"]
+    torch._check(input.dim() >= 1, lambda: f"{caller}: input must have at least one dimension")
+    torch._check(linear_weight.dim() == 2, lambda: f"{caller}: linear_weight must be 2-D [V, D]")
     torch._check(
-        linear_weight.shape[1] == input.shape[-1], lambda: "linear_cross_entropy: linear_weight and input disagree on D"
+        linear_weight.shape[1] == input.shape[-1],
+        lambda: (
+            f"{caller}: linear_weight {list(linear_weight.shape)} has {linear_weight.shape[1]} features but input "
+            f"has {input.shape[-1]}; linear_weight is laid out [V, D] (one row per class, as nn.Linear's weight)"
+        ),
     )
     torch._check(
         reduction in ("mean", "sum", "none"),
-        lambda: f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got '{reduction}'",
+        lambda: f"{caller}: reduction must be 'mean', 'sum' or 'none', got '{reduction}'",
     )
-    _check_devices(input, linear_weight, target, linear_bias, weight)
+    _check_devices(caller, input, linear_weight=linear_weight, target=target, linear_bias=a["linear_bias"],
+                   weight=a["weight"])  # fmt: skip
     lse = input.new_empty(target.shape, dtype=_loss_dtype(input))
     loss = lse.new_empty(target.shape) if reduction == "none" else lse.new_empty(())
     entropy = lse.new_empty(target.shape if return_entropy else (0,))
@@ -57,23 +66,19 @@ def _outputs(input, linear_weight, target, linear_bias, weight, reduction, retur
 
 @torch.library.register_fake("fused_ce::linear_cross_entropy")
 def _linear_cross_entropy_fake(*args, **kwargs):
-    a = _arguments(torch.ops.fused_ce.linear_cross_entropy.default, args, kwargs)
-    tensors = (a["input"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
-    return _outputs(*tensors, a["reduction"], False, False)[:2]
+    return _outputs(_arguments(torch.ops.fused_ce.linear_cross_entropy.default, args, kwargs))[:2]
 
 
 @torch.library.register_fake("fused_ce::_linear_cross_entropy")
 def _linear_cross_entropy_all_fake(*args, **kwargs):
     a = _arguments(torch.ops.fused_ce._linear_cross_entropy.default, args, kwargs)
-    tensors = (a["input"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
-    return _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
+    return _outputs(a, return_entropy=a["return_entropy"], return_argmax=a["return_argmax"])
 
 
 @torch.library.register_fake("fused_ce::_linear_cross_entropy_keeping_logits")
 def _linear_cross_entropy_keeping_logits_fake(*args, **kwargs):
     a = _arguments(torch.ops.fused_ce._linear_cross_entropy_keeping_logits.default, args, kwargs)
-    tensors = (a["input"], a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
-    outputs = _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
+    outputs = _outputs(a, return_entropy=a["return_entropy"], return_argmax=a["return_argmax"])
     # the kept rows' logits over this rank's classes, in the input dtype (csrc/loss.h)
     rows = _kept_logit_rows(a["input"], a["linear_weight"], a["target"], a)
     return (*outputs, a["input"].new_empty((rows, a["linear_weight"].shape[0])))
@@ -111,7 +116,7 @@ def _register_backward_fake(name):
     @torch.library.register_fake(f"fused_ce::{name}")
     def fake(*args, **kwargs):
         a = _arguments(op, args, kwargs)
-        _check_devices(a["input"], *(a[n] for n in tensors))
+        _check_devices(a["caller"], a["input"], **{n: a[n] for n in tensors})
         return _grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"])
 
 
@@ -126,8 +131,7 @@ def _linear_cross_entropy_with_grad_fake(*args, **kwargs):
         a["reduction"] in ("mean", "sum"), lambda: "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'"
     )
     input = a["input"]
-    tensors = (input, a["linear_weight"], a["target"], a["linear_bias"], a["weight"])
-    outputs = _outputs(*tensors, a["reduction"], a["return_entropy"], a["return_argmax"])
+    outputs = _outputs(a, return_entropy=a["return_entropy"], return_argmax=a["return_argmax"])
     grads = _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
     if input.dtype == torch.float16:  # float32 until the backward scales them (csrc/loss.h)
         grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
@@ -141,16 +145,8 @@ def _scale_grad_fake(grad, scale):
 
 def _policy_outputs(a):
     input = a["input"]
-    _check_devices(
-        input,
-        a["linear_weight"],
-        a["target"],
-        a["advantages"],
-        a["token_weights"],
-        a["old_log_probs"],
-        a["ref_log_probs"],
-        a["linear_bias"],
-    )
+    names = ("linear_weight", "target", "advantages", "token_weights", "old_log_probs", "ref_log_probs", "linear_bias")
+    _check_devices("linear_policy_loss", input, **{n: a[n] for n in names})
     loss = input.new_empty((), dtype=_loss_dtype(input))
     return loss, loss.new_empty((6,) if a["return_stats"] else (0,))
 

@@ -5,6 +5,7 @@ schemas and passes them by name, and fails at import when an option of the schem
 """
 
 import math
+import operator
 from typing import Literal, NamedTuple, overload
 
 import torch
@@ -28,8 +29,19 @@ def _shard_options(shard):
     return dict(process_group=group, vocab_start=vocab_start, vocab_size=sum(sizes), max_shard_rows=max(sizes))
 
 
+def _class_index(function, value):
+    """``ignore_index`` as torch takes it: an int (None means -100); a float, str or bool is a TypeError, as in
+    ``F.cross_entropy`` (never rounded)."""
+    if value is None:
+        return -100
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{function}: ignore_index must be an int, got {type(value).__name__} {value!r}")
+    return operator.index(value)
+
+
 def _op_options(
     *,
+    caller="linear_cross_entropy",
     reduction="mean",
     ignore_index=-100,
     label_smoothing=0.0,
@@ -45,7 +57,7 @@ def _op_options(
     """The ops' option arguments by name (csrc/options.h); ``shard``: (group name, vocab_start, shard sizes)."""
     options = dict(
         reduction=reduction,
-        ignore_index=-100 if ignore_index is None else int(ignore_index),
+        ignore_index=_class_index(caller, ignore_index),
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
         softcap=None if softcap is None else float(softcap),
@@ -55,6 +67,7 @@ def _op_options(
         return_entropy=bool(return_entropy),
         return_argmax=bool(return_argmax),
         **_shard_options(shard),
+        caller=caller,
     )
     return options
 
@@ -88,7 +101,7 @@ def _log_prob_options(
         temperature=float(temperature),
         softcap=None if softcap is None else float(softcap),
         logit_scale=float(logit_scale),
-        ignore_index=-100 if ignore_index is None else int(ignore_index),
+        ignore_index=_class_index("linear_log_probs", ignore_index),
         return_entropy=bool(return_entropy),
         return_argmax=bool(return_argmax),
         workspace_bytes=workspace_bytes,
@@ -342,11 +355,14 @@ def _k_dimensional(
     else:
         loss = torch.stack(losses).sum()
         if reduction == "mean":  # torch's: divided by the summed weights of every counted target
-            counted = t != (-100 if ignore_index is None else ignore_index)
+            counted = t != _class_index("linear_cross_entropy", ignore_index)
             if weight is None:
-                loss = loss / counted.sum()
+                total = counted.sum().to(loss.dtype)
             else:
-                loss = loss / torch.where(counted, weight.to(loss.dtype)[t.clamp(0, V - 1).long()], 0).sum()
+                total = torch.where(counted, weight.to(loss.dtype)[t.clamp(0, V - 1).long()], 0).sum()
+            # nothing counted: NaN as torch's, with zero gradients as torch's (the 2-D op's too), not 0 * inf
+            counts = total != 0
+            loss = torch.where(counts, loss / torch.where(counts, total, 1), math.nan)
     if return_lse:
         return loss, torch.stack(lses, 1).reshape(N, *positions)
     return loss
@@ -460,7 +476,7 @@ def _policy_options(
         temperature=float(temperature),
         softcap=None if softcap is None else float(softcap),
         logit_scale=float(logit_scale),
-        ignore_index=-100 if ignore_index is None else int(ignore_index),
+        ignore_index=_class_index("linear_policy_loss", ignore_index),
         return_stats=bool(return_stats),
         workspace_bytes=workspace_bytes,
         **_shard_options(shard),
@@ -572,11 +588,12 @@ def plan(
     """The plan :func:`linear_cross_entropy` follows for these arguments (its keywords), without running it.
 
     ``pass_`` defaults to the op the call runs first: "forward_with_grad" where a scalar loss needs
-    gradients, "forward_keeping_logits" where a per-row loss needs them on CUDA and the workspace holds at least
-    a few hundred rows' logits (``keeps_logits``; ``kept_rows``: every counted row where they all fit, else the
-    first of them: its backward, "backward_from_logits", multiplies those back instead of computing them again
-    and computes the others' in their storage), else "forward"; a per-row loss or a gradient through the lse
-    otherwise runs "backward" later.
+    gradients (but float16 on the CPU, whose backward recomputes them), "forward_keeping_logits" where a
+    per-row loss needs them on CUDA and the workspace holds at least a few hundred rows' logits
+    (``keeps_logits``; ``kept_rows``: every counted row where they all fit, else the first of them: its
+    backward, "backward_from_logits", multiplies those back instead of computing them again and computes the
+    others' in their storage), else "forward"; a per-row loss or a gradient through the lse otherwise runs
+    "backward" later.
     The plan depends on shapes, dtypes, strides, device and the number of counted (not ignored) targets,
     which it reads (one host read on CUDA); expanded tensors serve for the rest.
     """
@@ -596,7 +613,11 @@ def plan(
         differentiable = torch.is_grad_enabled() and (
             input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        pass_ = "forward_with_grad" if differentiable and keywords.get("reduction", "mean") != "none" else "forward"
+        # (float16 on the CPU recomputes its gradients in the backward: csrc/ops.cpp, gradients_in_forward)
+        in_forward = keywords.get("reduction", "mean") != "none" and not (
+            input.dtype == torch.float16 and input.device.type == "cpu"
+        )
+        pass_ = "forward_with_grad" if differentiable and in_forward else "forward"
     else:
         differentiable = False
     options = _op_options(**keywords, lse_of_ignored_rows=return_lse, shard=shard)

@@ -30,13 +30,29 @@ def test_cpu_takes_aten_chunks_within_budget(dtype, pass_):
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     assert plan.pass_ == pass_ and plan.strategy == "aten_chunks"
     assert plan.budget_bytes == 32 * MiB and not plan.rows_on_device and not plan.rank_one_smoothing
-    assert plan.logits_dtype == compute
-    assert plan.block_rows == min(N, 32 * MiB // (V * compute.itemsize)) and plan.tile_cols == V
-    assert plan.workspace_bytes == plan.block_rows * V * compute.itemsize <= plan.budget_bytes
+    assert plan.logits_dtype == dtype  # the products in the input dtype, as torch's F.linear
+    # a row's logits in the loss dtype, and bf16's product beside them
+    row_bytes = V * (compute.itemsize + (dtype.itemsize if dtype.itemsize < compute.itemsize else 0))
+    assert plan.block_rows == min(N, 32 * MiB // row_bytes) and plan.tile_cols == V
+    assert plan.workspace_bytes == plan.block_rows * row_bytes <= plan.budget_bytes
     if pass_ == "forward":
         assert plan.grad_input_dtype is None and plan.grad_weight_dtype is None
-    else:
-        assert plan.grad_input_dtype == compute and plan.grad_weight_dtype == compute
+    else:  # (3 row blocks of bf16: dW sums them in bf16)
+        assert plan.grad_input_dtype == dtype and plan.grad_weight_dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_precision_dw_accumulator_only_within_the_budget(dtype):
+    N, D, V = 20000, 64, 3000  # 11 row blocks of the default budget
+    pass_ = "forward_with_grad" if dtype == torch.bfloat16 else "backward"  # (float16: csrc/ops.cpp)
+    plan = fused_ce.plan(*expanded(N, D, V, dtype), pass_=pass_)
+    accumulator = V * D * 4
+    assert plan.grad_weight_dtype == torch.float32 and plan.grad_input_dtype == dtype
+    assert plan.workspace_bytes <= plan.budget_bytes and plan.workspace_bytes >= accumulator
+    lean = fused_ce.plan(*expanded(N, D, V, dtype), pass_=pass_, workspace_bytes=accumulator)  # not in half of it
+    assert lean.grad_weight_dtype == dtype and lean.workspace_bytes <= accumulator
+    unit = fused_ce.plan(*expanded(N, D, V, torch.float16), pass_="forward_with_grad")  # at unit scale: float32
+    assert unit.logits_dtype == unit.grad_input_dtype == unit.grad_weight_dtype == torch.float32
 
 
 def test_budget_bounds_the_blocks():
@@ -61,7 +77,7 @@ def test_plan_checks_its_arguments():
         fused_ce.plan(x, w, t, reduction="none", pass_="forward_with_grad")
     with pytest.raises(ValueError, match="pass must be"):
         fused_ce.plan(x, w, t, pass_="sideways")
-    with pytest.raises(RuntimeError, match="linear_weight has 17 features"):
+    with pytest.raises(RuntimeError, match=r"linear_weight \[100, 17\] has 17 features"):
         fused_ce.plan(x, torch.empty(100, 17), t)
 
 

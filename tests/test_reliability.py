@@ -383,3 +383,108 @@ def test_cpu_workspace_floor_is_one_row_of_logits():
     x, w, t, _ = make_problem(100, 8, 3000, ignore_frac=0.0)
     plan = fused_ce.plan(x, w, t, workspace_bytes=1)
     assert plan.block_rows == 1 and plan.workspace_bytes == 3000 * 4  # one row of float32 logits (the docs' floor)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("class_weights", [False, True])
+def test_k_dimensional_mean_with_every_target_ignored_has_torchs_zero_gradients(device, class_weights):
+    # torch: the loss 0 / 0 = NaN, its gradients 0 (the 2-D op's too); never NaN gradients from 0 * inf
+    N, C, D, positions = 6, 5, 8, (3,)
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    x = torch.randn(N, D, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    w = torch.randn(C, *positions, D, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    cw = (torch.rand(C, generator=g, dtype=torch.float64) + 0.5).to(device) if class_weights else None
+    t = torch.full((N, *positions), -100, device=device)
+    logits = (x @ w.reshape(-1, D).T).reshape(N, C, *positions)
+    want = F.cross_entropy(logits, t, weight=cw)
+    got = fused_ce.linear_cross_entropy(x, w, t, weight=cw)
+    assert torch.isnan(want) and torch.isnan(got)
+    want_grads = torch.autograd.grad(want, (x, w))
+    got_grads = torch.autograd.grad(got, (x, w))
+    for got_grad, want_grad in zip(got_grads, want_grads):
+        assert (want_grad == 0).all()
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", [3.5, "3", True])
+@pytest.mark.parametrize("function", ["linear_cross_entropy", "linear_log_probs", "linear_policy_loss"])
+def test_non_integer_ignore_index_is_a_type_error_as_in_torch(function, value):
+    x, w, t, _ = make_problem(8, 6, 10)
+    with pytest.raises(TypeError):  # torch's own, so that this test follows torch
+        F.cross_entropy(x @ w.T, t, ignore_index=value)
+    call = {
+        "linear_cross_entropy": lambda: fused_ce.linear_cross_entropy(x, w, t, ignore_index=value),
+        "linear_log_probs": lambda: fused_ce.linear_log_probs(x, w, t, ignore_index=value),
+        "linear_policy_loss": lambda: fused_ce.linear_policy_loss(x, w, t, torch.ones(8), ignore_index=value),
+    }[function]
+    with pytest.raises(TypeError, match=f"{function}: ignore_index must be an int"):
+        call()
+
+
+def test_integer_like_ignore_index_is_taken_as_in_torch():
+    np = pytest.importorskip("numpy")
+    x, w, t, _ = make_problem(8, 6, 10)
+    t[:3] = 3
+    want = F.cross_entropy(x @ w.T, t, ignore_index=3)
+    for value in (3, np.int64(3), torch.tensor(3)):
+        torch.testing.assert_close(fused_ce.linear_cross_entropy(x, w, t, ignore_index=value), want)
+
+
+def test_errors_name_the_function_called_and_its_argument():
+    x, w, t, _ = make_problem(8, 6, 10)
+    t = t.clamp_min(0)
+    advantages = torch.ones(8)
+    # the temperature, not the logit_scale or softcap it makes inside
+    with pytest.raises(ValueError, match=r"linear_log_probs: temperature 1e-39 takes the logits' scale beyond"):
+        fused_ce.linear_log_probs(x, w, t, temperature=1e-39)
+    with pytest.raises(ValueError, match=r"linear_log_probs: temperature 1e\+09 takes softcap 1e-30 beyond"):
+        fused_ce.linear_log_probs(x, w, t, softcap=1e-30, temperature=1e9)
+    with pytest.raises(ValueError, match=r"linear_policy_loss: temperature 1e-39"):
+        fused_ce.linear_policy_loss(x, w, t, advantages, temperature=1e-39)
+    with pytest.raises(ValueError, match=r"linear_log_probs: softcap must be"):
+        fused_ce.linear_log_probs(x, w, t, softcap=1e-39)
+    # a bad class index names the function called
+    bad = t.clone()
+    bad[2] = 30
+    for name, call in {
+        "linear_cross_entropy": lambda: fused_ce.linear_cross_entropy(x, w, bad),
+        "linear_log_probs": lambda: fused_ce.linear_log_probs(x, w, bad),
+        "linear_policy_loss": lambda: fused_ce.linear_policy_loss(x, w, bad, advantages),
+    }.items():
+        with pytest.raises(IndexError, match=f"^{name}: target 30 is out of bounds"):
+            call()
+    with pytest.raises(IndexError, match="^linear_log_probs: target 30"):  # compiled, the caller travels with the op
+        torch.compile(fused_ce.linear_log_probs, fullgraph=True)(x, w, bad)
+    # and the fix, where there is one
+    with pytest.raises(RuntimeError, match=r"linear_log_probs: linear_weight dtype .*torch\.autocast"):
+        fused_ce.linear_log_probs(x.bfloat16(), w, t)
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy: linear_weight \[6, 10\].*\[V, D\].*untransposed"):
+        fused_ce.linear_cross_entropy(x, w.T.contiguous(), t)
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy: linear_weight is on meta.*one device"):
+        fused_ce.linear_cross_entropy(x, w.to("meta"), t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ignored", [0.05, 0.5])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nan_in_an_ignored_input_row_reaches_dw_only_where_every_row_runs(device, dtype, ignored, reduction):
+    # the README's promise: an ignored row is never read where the call runs on the counted rows only (always on
+    # the CPU); where it runs on every row, 0 x NaN reaches dW through the GEMM, as in torch
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    N, D, V = 512, 64, 1000
+    x = torch.randn(N, D, generator=g).to(device, dtype)
+    w = (torch.randn(V, D, generator=g) * D**-0.5).to(device, dtype)
+    t = torch.randint(0, V, (N,), generator=g).to(device)
+    skipped = torch.rand(N, generator=g).to(device) < ignored
+    t[skipped] = -100
+    x[skipped.nonzero()[0, 0], 3] = float("nan")
+    xl, wl = leaves(x, w)
+    loss = fused_ce.linear_cross_entropy(xl, wl, t, reduction=reduction)
+    loss.sum().backward()
+    pass_ = "backward" if reduction == "none" else "forward_with_grad"
+    plan = fused_ce.plan(xl, wl, t, reduction=reduction, pass_=pass_)
+    assert torch.isfinite(loss).all() and torch.isfinite(xl.grad[~skipped]).all()
+    assert bool(torch.isfinite(wl.grad).all()) == plan.counted_rows_only
+    if device == "cpu":
+        assert plan.counted_rows_only

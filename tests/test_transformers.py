@@ -195,14 +195,75 @@ def test_trainer_step_runs(tmp_path):
     assert not torch.equal(before, model.lm_head.weight)  # tied to the embedding, trained through the loss
 
 
-def test_compile_has_no_graph_break_at_the_loss():
-    model = apply(tiny_model("llama"))
+def compiled_graphs(model, dynamic, *args, **kwargs):
+    """(output, graph breaks, graphs) of torch.compile(model)'s first call, counted by dynamo."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model, dynamic=dynamic)(*args, **kwargs)
+    return out, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("how", ["instance", "class"])
+def test_compiled_before_any_eager_call_in_one_graph(how, dynamic):
+    # a fresh patched model, compiled first: fullgraph, and no graph break without it (the head is switched
+    # where the patch is applied, or, for a class, traced where it is first met)
+    ref = tiny_model("llama")
     ids, labels = batch("cpu")
-    explanation = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
-    reasons = " ".join(str(b.reason) for b in explanation.break_reasons)
-    assert "fused_ce" not in reasons and "linear_cross_entropy" not in reasons, reasons
-    compiled = torch.compile(model, fullgraph=True)
-    torch.testing.assert_close(compiled(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
+    want = ref(input_ids=ids, labels=labels).loss
+    cls = transformers.LlamaForCausalLM
+    original = cls.forward
+    try:
+        fresh = lambda: apply(copy.deepcopy(ref)) if how == "instance" else copy.deepcopy(ref)  # noqa: E731
+        if how == "class":
+            apply(cls)
+        torch._dynamo.reset()
+        out = torch.compile(fresh(), fullgraph=True, dynamic=dynamic)(input_ids=ids, labels=labels)
+        assert out.logits is None
+        torch.testing.assert_close(out.loss, want)
+        out, breaks, graphs = compiled_graphs(fresh(), dynamic, input_ids=ids, labels=labels)
+        assert (breaks, graphs) == (0, 1)
+        torch.testing.assert_close(out.loss, want)
+        out.loss.backward()
+    finally:
+        cls.forward = original
+
+
+def test_pickle_and_torch_save_of_a_called_patched_model():
+    # a bound method pickles by name: the head's `_head_forward` failed to load and the model's forward would
+    # have loaded as the class's own, unpatched
+    import io
+    import pickle
+
+    ref = tiny_model("llama")
+    model = apply(copy.deepcopy(ref))
+    ids, labels = batch("cpu")
+    want = ref(input_ids=ids, labels=labels).loss
+    model(input_ids=ids, labels=labels).loss.backward()  # called: the head switched
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for loaded in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        out = loaded(input_ids=ids, labels=labels)
+        assert out.logits is None  # still fused_ce's
+        torch.testing.assert_close(out.loss, want)
+        assert loaded.lm_head.forward.head is loaded.lm_head  # its own head, not the pickled model's
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_return_dict_false_keeps_every_field_at_its_place(family):
+    ref = tiny_model(family)
+    model = apply(copy.deepcopy(ref))
+    ids, labels = batch("cpu")
+    for keywords in (dict(return_dict=False), dict(return_dict=False, output_hidden_states=True)):
+        want = ref(input_ids=ids, labels=labels, **keywords)
+        got = model(input_ids=ids, labels=labels, **keywords)
+        assert isinstance(got, tuple) and len(got) == len(want), (len(got), len(want))
+        torch.testing.assert_close(got[0], want[0])  # the loss
+        assert got[1] is None and want[1].shape[-1] == V  # the logits' place
+        assert [type(v) for v in got[2:]] == [type(v) for v in want[2:]]
 
 
 def test_import_fused_ce_does_not_import_transformers():

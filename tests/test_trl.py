@@ -194,3 +194,46 @@ def test_fused_head_outputs_match_trls(family, tmp_path):
     (want.loss + want.entropy.sum()).backward()
     for (name, p), q in zip(fused.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("policy", [False, True])
+def test_fp32_head_stays_float32_under_autocast(policy):
+    # GRPOConfig's cast_lm_head_to_fp32: the head in float32 outside autocast, as TRL's own head computes it
+    # (fused_ce's autocast kernel would cast it back to bfloat16: 4e-3 against a float64 head, TRL's 6e-7)
+    from trl.trainer.utils import add_fused_lm_head as trls_head
+
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    reference, fused = copy.deepcopy(model), copy.deepcopy(model)
+    trls_head(reference, cast_lm_head_to_fp32=True)
+    assert fused_trl.add_fused_lm_head(fused, cast_lm_head_to_fp32=True, _original=trls_head)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (2, 24), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = fused.model(input_ids=ids).last_hidden_state[:, :-1]
+        want = reference(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+        if policy:  # GRPOTrainer's fused loss: its per-token log-probs are the policy gradient's coefficients
+            advantages = torch.randn(2, 23, generator=g)
+            out, _ = fused(input_ids=ids, labels=ids, fused_lm_head=True, fused_policy=dict(advantages=advantages))
+            got = None
+        else:
+            got = fused(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+    w = fused.lm_head.weight.detach().double()
+    exact = torch.log_softmax(hidden.double() @ w.T, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    trl_error = (want.double() - exact).norm() / exact.norm()
+    assert trl_error < 1e-5  # TRL's own head: float32
+    if policy:
+        # on-policy, the loss is -sum(w A) (ratio 1), its gradient through the float32 log-probs: compare the
+        # lm_head's gradient with the float64 one's
+        out.loss.backward()
+        wd = w.clone().requires_grad_()
+        logp = torch.log_softmax(hidden.double().detach() @ wd.T, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (-(advantages.double() * torch.exp(logp - logp.detach())).sum() / logp.numel()).backward()
+        error = (fused.lm_head.weight.grad.double() - wd.grad).norm() / wd.grad.norm()
+        assert error < 1e-5, error
+    else:
+        error = (got.double() - exact).norm() / exact.norm()
+        assert error <= 10 * trl_error + 1e-7, (error, trl_error)

@@ -22,6 +22,7 @@ model's own. ``import fused_ce`` never imports transformers.
 """
 
 import ast
+import dataclasses
 import functools
 import inspect
 import sys
@@ -209,20 +210,29 @@ def _lora_weight(head):
 _LOSS_KEYWORD = "_fused_ce_loss"
 
 
-def _head_forward(self, input, **kwargs):
-    """The forward of a head switched to fused_ce: its own without the keyword, else the loss the keyword holds
-    (called with the head, whose weight its engine has gathered now, and the head's input)."""
-    loss = kwargs.pop(_LOSS_KEYWORD, None)
-    if loss is None:
-        return self._fused_ce_own_forward(input, **kwargs)
-    return loss(self, input)
+class _HeadForward:
+    """The forward of a head switched to fused_ce (its instance attribute ``forward``): the head's own without the
+    keyword, else the loss the keyword holds (called with the head, whose weight its engine has gathered now, and
+    the head's input). An object rather than a bound method: it pickles and deep-copies with its head, and
+    torch.compile traces its creation where a head is first met inside a compiled forward."""
+
+    def __init__(self, head, own):
+        self.head = head
+        self.own = own  # an instance forward the head had (an engine's wrapper), else None: its class's
+
+    def __call__(self, input, **kwargs):
+        loss = kwargs.pop(_LOSS_KEYWORD, None)
+        if loss is not None:
+            return loss(self.head, input)
+        if self.own is not None:
+            return self.own(input, **kwargs)
+        return type(self.head).forward(self.head, input, **kwargs)
 
 
 def _route_through(head):
     """Give the head the forward above (once; its class untouched)."""
-    if getattr(head, "_fused_ce_own_forward", None) is None:
-        head._fused_ce_own_forward = head.forward
-        head.forward = types.MethodType(_head_forward, head)
+    if not isinstance(head.__dict__.get("forward"), _HeadForward):
+        head.forward = _HeadForward(head, head.__dict__.get("forward"))
     return head
 
 
@@ -545,11 +555,32 @@ def _model_class(family):
     return getattr(transformers, FAMILIES[family])
 
 
+def _returns_tuple(model, value):
+    """Whether the forward returns a tuple, as transformers' ``can_return_tuple`` decides: ``return_dict`` where
+    given, else the config's."""
+    if value is not None:
+        return not value
+    config = getattr(model, "config", None)
+    return config is not None and not config.return_dict
+
+
+def _to_tuple(out):
+    """A ModelOutput as transformers' ``to_tuple`` makes it, but for ``logits``, which keeps its place when None
+    (transformers' own tuple holds the logits there), so that every later field stays at its position."""
+    names = [f.name for f in dataclasses.fields(out)]
+    kept = [getattr(out, n) for n in names if n == "logits" or getattr(out, n) is not None]
+    return (*kept, *(out[k] for k in out.keys() if k not in names))  # (keys set after construction: accuracy)
+
+
+@functools.cache
 def _fused_forward(cls):
     """The forward of a causal LM with the loss through fused_ce when there are labels (Refused if it cannot)."""
     rewritten, head, original = _rewritten(cls)
     signature = inspect.signature(original)
     names = [n for n in signature.parameters if n != "self"]
+    takes_return_dict = "return_dict" in names or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+    )
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -558,21 +589,52 @@ def _fused_forward(cls):
             labels = args[names.index("labels")]
         if labels is None and kwargs.get("shift_labels") is None:
             return original(self, *args, **kwargs)
-        if not getattr(self, _ASKS_ACCURACY, False):
-            return rewritten(self, *args, **kwargs)
-        setattr(self, _ACCURACY_ATTRIBUTE, [])  # _fce_loss appends this call's accuracy
+        if "return_dict" in names[: len(args)]:
+            args = list(args)
+            as_tuple, args[names.index("return_dict")] = _returns_tuple(self, args[names.index("return_dict")]), True
+        elif takes_return_dict:
+            as_tuple = _returns_tuple(self, kwargs.pop("return_dict", None))
+            kwargs["return_dict"] = True  # (the tuple made below keeps the logits' place)
+        else:
+            as_tuple = False
+        asks_accuracy = getattr(self, _ASKS_ACCURACY, False)
+        if asks_accuracy:
+            setattr(self, _ACCURACY_ATTRIBUTE, [])  # _fce_loss appends this call's accuracy
         try:
             out = rewritten(self, *args, **kwargs)
-            accuracy = getattr(self, _ACCURACY_ATTRIBUTE)
+            accuracy = getattr(self, _ACCURACY_ATTRIBUTE, None)
         finally:
-            delattr(self, _ACCURACY_ATTRIBUTE)
-        if accuracy and not isinstance(out, tuple):  # a ModelOutput (return_dict=False gives a plain tuple)
+            if asks_accuracy:
+                delattr(self, _ACCURACY_ATTRIBUTE)
+        if accuracy:
             out["token_accuracy"] = accuracy[-1]
-        return out
+        return _to_tuple(out) if as_tuple and not isinstance(out, tuple) else out
 
     forward._fused_ce_original = original
     forward._fused_ce_head = head
     return forward
+
+
+class _ModelForward:
+    """A switched instance's forward (its attribute ``forward``): an object, not a bound method, so that the
+    model pickles, deep-copies and loads switched (a bound method pickles by name and would load the class's)."""
+
+    def __init__(self, model):
+        self.__setstate__({"model": model})
+
+    def __setstate__(self, state):
+        self.model = state["model"]
+        self.function = _fused_forward(type(self.model))
+        signature = inspect.signature(self.function)
+        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # as bound
+        self.__doc__ = self.function.__doc__
+        self._fused_ce_original = self.function._fused_ce_original
+
+    def __getstate__(self):
+        return {"model": self.model}
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.model, *args, **kwargs)
 
 
 def _unwrapped(model):
@@ -644,15 +706,17 @@ def apply(model, *, token_accuracy=False):
     if base is not model:  # a PEFT model: its causal LM is switched (LoRA on the lm_head too)
         apply(base, token_accuracy=token_accuracy)
         return model
-    check(model)
+    head = check(model)
     setattr(model, _ASKS_ACCURACY, bool(token_accuracy))
     cls = model if isinstance(model, type) else type(model)
+    if not isinstance(model, type):
+        # now, not at the first call: a forward compiled before any eager call then finds the head switched
+        _route_through(_head_of(model, head))
     current = cls.forward if isinstance(model, type) else model.forward
     if getattr(current, "_fused_ce_original", None) is not None:
         return model  # already switched
-    forward = _fused_forward(cls)
     if isinstance(model, type):
-        cls.forward = forward
+        cls.forward = _fused_forward(cls)
     else:
-        model.forward = types.MethodType(forward, model)
+        model.forward = _ModelForward(model)
     return model

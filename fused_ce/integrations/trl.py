@@ -24,6 +24,7 @@ The logged metrics are TRL's (kl, entropy, clip ratios), but for the per-sequenc
 (``clip_ratio/low_min``, ``high_max``), which the fused loss does not produce. TRL is imported on ``apply()``.
 """
 
+import contextlib
 import functools
 import types
 
@@ -102,17 +103,22 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
         if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered (its gradient reduce-scattered back)
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
-        if cast_lm_head_to_fp32:
+        head_precision = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:  # in float32 outside autocast, as TRL's (whose autocast would cast it back)
             hidden, weight = hidden.float(), weight.float()
             bias = None if bias is None else bias.float()
+            head_precision = torch.autocast(hidden.device.type, enabled=False)
         mask = labels != -100
         keywords = dict(linear_bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
         if fused_policy is not None:  # GRPOTrainer's loss (_compute_loss below): the policy loss over these tokens
-            loss, stats = linear_policy_loss(hidden, weight, labels, **fused_policy, **keywords, return_stats=True)
+            with head_precision:
+                loss, stats = linear_policy_loss(hidden, weight, labels, **fused_policy, **keywords, return_stats=True)
             return FusedCausalLMOutput(loss=loss, label_mask=mask), stats
-        out = linear_log_probs(
-            hidden, weight, labels, return_entropy="entropy" in outputs, return_argmax="is_top1" in outputs, **keywords
-        )
+        with head_precision:
+            out = linear_log_probs(
+                hidden, weight, labels, return_entropy="entropy" in outputs, return_argmax="is_top1" in outputs,
+                **keywords,
+            )  # fmt: skip
         log_probs = out if torch.is_tensor(out) else out.log_probs
         entropy = None if torch.is_tensor(out) else out.entropy
         is_top1 = None if torch.is_tensor(out) or out.argmax is None else (out.argmax == labels) & mask

@@ -1,0 +1,135 @@
+// The block helpers the executors share (blocks.h).
+#include "blocks.h"
+
+#include <algorithm>
+
+#include "cuda_stages.h"
+#include "loss_terms.h"
+
+namespace fused_ce {
+
+void logits_into(const Problem& p, at::Tensor& out, double scale) {
+  if (p.bias.defined()) {
+    at::addmm_out(out, p.bias, p.x, p.w.t(), /*beta=*/scale, /*alpha=*/scale);
+  } else if (scale != 1.0) {
+    at::addmm_out(out, out, p.x, p.w.t(), /*beta=*/0, /*alpha=*/scale);  // beta 0: out's contents are not read
+  } else {
+    at::mm_out(out, p.x, p.w.t());
+  }
+}
+
+Problem reading_stored_logits(const Problem& p, const Plan& plan) {
+  Problem stored = p;
+  stored.logit_scale = p.logit_scale / plan.logits_scale;
+  return stored;
+}
+
+StatsRequest stats_request(const LossOptions& o, const Plan& plan) {
+  return {o.smoothing() && !plan.rank_one_smoothing, o.return_entropy, o.return_argmax};
+}
+
+RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows,
+                                  const at::Tensor& kept) {
+  RowStats s = RowStats::allocate(p, stats_request(o, plan));
+  if (plan.rank_one_smoothing) s.weighted_z_sum = weighted_z_sum(p, class_weighted_w(p));
+  at::Tensor buffer = kept.defined() ? kept : at::empty({block_rows, p.V}, p.x.options());
+  const Problem stored = reading_stored_logits(p, plan);
+  for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
+    const int64_t r1 = std::min(p.N, r0 + block_rows);
+    at::Tensor logits = buffer.narrow(0, kept.defined() ? r0 : 0, r1 - r0);  // (kept: every row's place)
+    const Problem pr = stored.rows(r0, r1);
+    logits_into(pr, logits, plan.logits_scale);
+    cuda_stats_from_logits(pr, logits, s.rows(r0, r1));
+  }
+  return s;
+}
+
+namespace {
+
+// cuBLAS accumulating a bf16/fp16 product straight into a float32 out
+// (addmm.dtype_out with out as self): torch accepts a float32 self there from
+// some version on; probed once per process, else a float32 product is added.
+bool float32_accumulating_addmm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  static const bool supported = [&] {
+    try {
+      at::Tensor acc = at::zeros({1, 1}, out.options());
+      at::addmm_out(acc, acc, at::ones({1, 1}, a.options()), at::ones({1, 1}, b.options()), at::kFloat);
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return supported;
+}
+
+}  // namespace
+
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha) {
+  const auto dtype = out.scalar_type();
+  if (a.scalar_type() == dtype && b.scalar_type() == dtype) {
+    if (accumulate) {
+      out.addmm_(a, b, /*beta=*/1, alpha);
+    } else if (alpha == 1) {
+      at::mm_out(out, a, b);
+    } else {
+      at::addmm_out(out, out, a, b, /*beta=*/0, alpha);  // beta 0: out's contents are not read
+    }
+  } else if (out.is_cuda() && dtype == at::kFloat && a.scalar_type() == b.scalar_type() &&
+             float32_accumulating_addmm(out, a, b)) {
+    at::addmm_out(out, out, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0, alpha);
+  } else {
+    // a product in out's dtype (float16's, of gradient blocks at Plan::grad_scale or unit scale, could
+    // overflow or underflow in its own), the operands converted a slice of the inner dimension at a time, each
+    // slice of b no larger than a: never a converted copy of the weight (V x D) beside it
+    const int64_t k = a.size(1);
+    const int64_t step = std::clamp<int64_t>(b.size(1) > 0 ? a.numel() / b.size(1) : k, 1, std::max<int64_t>(k, 1));
+    for (int64_t k0 = 0; k0 < k; k0 += step) {
+      const int64_t n = std::min(step, k - k0);
+      const at::Tensor product = at::mm(a.narrow(1, k0, n).to(dtype), b.narrow(0, k0, n).to(dtype));
+      if (accumulate || k0 > 0) {
+        out.add_(product, alpha);
+      } else {
+        at::mul_out(out, product, alpha);
+      }
+    }
+    if (k == 0 && !accumulate) out.zero_();
+  }
+}
+
+void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha) {
+  if (!block.is_cuda()) {  // (ATen's pairwise sums: float32 blocks' sums as accurate as torch's)
+    out.add_(block.sum(0, false, out.scalar_type()), alpha);
+    return;
+  }
+  // on CUDA a product with a row of ones (cuBLAS, in out's dtype): ATen's column reduction of a large block
+  // allocated a staging buffer of about the block's size (measured: 26 MiB for a 1.5k-row tile, beyond the budget)
+  if (!ones.defined() || ones.size(1) < block.size(0)) ones = at::ones({1, block.size(0)}, block.options());
+  gemm_into(out.view({1, -1}), ones.narrow(1, 0, block.size(0)), block, /*accumulate=*/true, alpha);
+}
+
+Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
+  const auto opts = p.x.options();
+  Grads g;
+  if (need[0]) {
+    g.input = p.row_index.defined() ? at::zeros({p.x.size(0), p.D}, opts.dtype(plan.grad_input_dtype))
+                                    : at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
+  }
+  if (need[1]) {  // zeros where no row will add to it
+    g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
+                        : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
+  }
+  if (need[2] && p.bias.defined()) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
+  return g;
+}
+
+at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::Tensor& buffer, int64_t r0, int64_t r1) {
+  if (!p.row_index.defined()) return grad_input.narrow(0, r0, r1 - r0);
+  if (!buffer.defined()) buffer = at::empty({std::min<int64_t>(p.N, r1 - r0), p.D}, grad_input.options());
+  return buffer.narrow(0, 0, r1 - r0);
+}
+
+void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0) {
+  if (p.row_index.defined()) grad_input.index_copy_(0, p.row_index.narrow(0, r0, rows.size(0)), rows);
+}
+
+}  // namespace fused_ce

@@ -1,0 +1,49 @@
+// The block helpers the executors (executors.h) share: the optional row stats, the gradients' storage and
+// their rows, the logits of a block, stats from stored logits, GEMMs into an output and column sums.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+
+#include "options.h"
+#include "plan.h"
+#include "problem.h"
+
+namespace fused_ce {
+
+// Gradients of the 2-D problem ([N, D], [V, D], [V]), in the plan's
+// accumulation dtypes; undefined where not asked for.
+struct Grads {
+  at::Tensor input, weight, bias;
+};
+// Which gradients are asked for: input, linear_weight, linear_bias (only with a bias).
+using GradMask = std::array<bool, 3>;
+
+// The optional row stats a call computes: label smoothing's weighted sums where
+// the kernels take them (not with rank-one smoothing), the entropy and argmax where asked for.
+StatsRequest stats_request(const LossOptions& o, const Plan& plan);
+// The gradients asked for (the bias's only with a bias), uninitialised but for
+// those that accumulate from zero; dX of selected rows (Problem::row_index) has
+// every row of x, zeros where no selected row writes.
+Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need);
+// dX's rows [r0, r1) of the problem: a view of grad_input, or, for selected rows,
+// of `buffer` (allocated on first use), which scatter_input_grad then copies to
+// their rows of grad_input.
+at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::Tensor& buffer, int64_t r0, int64_t r1);
+void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0);
+// raw logits (x @ w.T + b) * scale of the rows of `p` into `out` (cuBLAS)
+void logits_into(const Problem& p, at::Tensor& out, double scale = 1.0);
+// p as the kernels over logits stored at plan.logits_scale see it (logit_scale / logits_scale).
+Problem reading_stored_logits(const Problem& p, const Plan& plan);
+// Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass), the
+// blocks in `kept` where given (forward_stats).
+RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const Plan& plan, int64_t block_rows,
+                                  const at::Tensor& kept = {});
+// out (+)= alpha * a @ b, accumulating in out's dtype (a float32 out from float16 or bfloat16 a and b: cuBLAS's
+// float32 output where torch has it).
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha = 1.0);
+// out += alpha * the column sums of block (the bias's gradient), `ones` a row of ones kept between calls.
+void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha = 1.0);
+
+}  // namespace fused_ce
