@@ -98,7 +98,7 @@ def plan_summary(x, w, t, **kwargs):
 
 
 def shape_parser(doc, repeat):
-    """An argument parser with --shape, --warmup, --repeat and --out (results/, or $OUT on the device)."""
+    """An argument parser with --shape, --warmup, --repeat and --out (results/, or $OUT where set)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--shape", default="A")
     parser.add_argument("--warmup", type=int, default=2)

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, run every test, benchmark; short table last.
+# On a GPU host: build, run every test, benchmark; short table last.
 #   [SKIP_BUILD=1] [SKIP_TESTS=1] [ALONGSIDE=command] [SANITIZE=1|memcheck|racecheck] [FEATURES=1] [TUNE_GEMM=1] [TRACE=1] [FIRST_CALL=1] [DEMO=1] [ACCURACY=1] [TP=1] [HF_EXAMPLE=1] \
-#   [SKIP_BENCH=1] [WHEEL=1 (dist/*.whl carried: test it instead of building)] \
-#   [WHEELS=1 (.wheels/before/*.whl and .wheels/after/*.whl carried, built elsewhere against this torch: the CUDA
+#   [SKIP_BENCH=1] [WHEEL=1 (dist/*.whl present: test it instead of building)] \
+#   [WHEELS=1 (.wheels/before/*.whl and .wheels/after/*.whl present, built on a CPU-only machine against this torch: the CUDA
 #    tests on "after", then each line of $RUNS, "label|before or after (or sets joined by +)|script and arguments",
 #    timed (TESTS: pytest's arguments, TESTS_K its -k); other sets of wheels in .wheels/NAME/ go to their own site, NAME in $RUNS)] \
 #     bash benchmarks/device_run.sh [bench.py arguments]
 # TP (two GPUs; the test suite has the NCCL test): the tensor-parallel example and benchmarks/bench_tp.py.
 # SANITIZE: compute-sanitizer memcheck and racecheck over CUDA tests (cuBLAS's kernels report hazards of their
 # own: see sanitize()). The profiler cannot run there, so the tests that read kernel names skip.
-# Peers that the machine lacks travel as wheels in .whl/ (see benchmarks/NOTES.md).
+# Peers the host lacks are installed from wheels in .whl/ (see benchmarks/NOTES.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fused_ce_out}
@@ -21,7 +21,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ -n "${WHEEL:-}" ]; then
-  # A wheel built elsewhere (on the CPU machine, against this machine's torch; carried in dist/) instead of a
+  # A wheel built on a CPU-only build machine (against this host's torch; in dist/) instead of a
   # build here: the CUDA tests run against it, from outside the source tree.
   python3 -m pip install -q --no-deps --no-index --target /tmp/wheel_site dist/fused_ce-*.whl
   repo=$(pwd)
@@ -31,7 +31,7 @@ if [ -n "${WHEEL:-}" ]; then
   exit 0
 fi
 if [ -n "${WHEELS:-}" ]; then
-  # Two wheels built on the CPU machine against this machine's torch (no build here): the tests run on "after"
+  # Two wheels built on a CPU-only build machine against this host's torch (no build here): the tests run on "after"
   # from outside the source tree, then each run of $RUNS with the wheel it names.
   for dir in .wheels/*/; do  # before, after, and any other set (a peer's other version) in its own site
     which=$(basename "$dir")
@@ -69,7 +69,7 @@ fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     # The suite in three groups at once (one per GPU, the multi-GPU tests on both): ~7 minutes run serially.
-    gpu0="tests/test_cuda.py tests/test_features.py tests/test_reliability.py tests/test_cuda_graphs.py tests/test_kernels.py tests/test_op.py"
+    gpu0="tests/test_cuda.py tests/test_autograd_and_dtypes.py tests/test_edges_and_errors.py tests/test_cuda_graphs.py tests/test_kernels.py tests/test_loss_matches_torch.py"
     ignore=$(for f in $gpu0 tests/test_distributed.py; do printf -- "--ignore=%s " "$f"; done)
     CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -rsxX -p no:cacheprovider $gpu0 >"$OUT/tests_gpu0.log" 2>&1 &
     groups="$!"
@@ -98,7 +98,7 @@ sanitize() {  # tool, GPU
   local filter="--kernel-name-exclude kns=nvjet --print-limit 20"
   [ "$1" = racecheck ] && filter="--print-limit 1000000"
   CUDA_VISIBLE_DEVICES=$2 FUSED_CE_UNDER_SANITIZER=1 timeout "${SANITIZE_TIMEOUT:-600}" $sanitizer --tool "$1" $filter \
-    python3 -m pytest -q -p no:cacheprovider tests/test_reliability.py tests/test_features.py tests/test_cuda.py \
+    python3 -m pytest -q -p no:cacheprovider tests/test_edges_and_errors.py tests/test_autograd_and_dtypes.py tests/test_cuda.py \
     -k "cuda and not llama3 and not many_steps and not threads" >"$OUT/$1.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Internal Sanitizer|passed|failed" "$OUT/$1.log" | sed "s/^/$1: /"
   if [ "$1" = racecheck ]; then

@@ -7,7 +7,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <string>
+#include <vector>
 
+#include "aten_stages.h"
 #include "cuda_driver.h"
 #include "format.h"
 
@@ -28,8 +32,7 @@ bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-// The assumptions of the "aligned" variants (fused_ce/_build/aot.py), checked
-// on the actual tensors.
+// The assumptions of the "aligned" variants (fused_ce/_build/aot.py), checked on the actual tensors.
 bool fits_aligned(const Problem& p, const KernelVariant& v, const at::Tensor* g) {
   const bool xw = p.x.stride(1) == 1 && p.w.stride(1) == 1 && aligned16(p.x) && aligned16(p.w) &&
                   p.x.stride(0) % 16 == 0 && p.w.stride(0) % 16 == 0 && p.D % 16 == 0 && p.D % v.block_d == 0;
@@ -95,6 +98,27 @@ KernelArgs common_args(const Problem& p) {
 
 }  // namespace
 
+namespace {
+
+// The kernels the build embedded in a dtype ("bf16", ...), on any architecture: read off the table once.
+const std::vector<const char*>& kernels_in_dtype(const char* dtype) {
+  static const auto table = [] {
+    std::map<std::string, std::vector<const char*>> kernels;
+    for (int i = 0; i < kNumKernelVariants; ++i) {
+      const KernelVariant& v = kKernelVariants[i];
+      std::vector<const char*>& names = kernels[v.dtype];
+      if (std::none_of(names.begin(), names.end(), [&](const char* k) { return std::strcmp(k, v.kernel) == 0; }))
+        names.push_back(v.kernel);
+    }
+    return kernels;
+  }();
+  static const std::vector<const char*> none;
+  const auto it = table.find(dtype);
+  return it == table.end() ? none : it->second;
+}
+
+}  // namespace
+
 bool cuda_kernels_disabled() {
   static const bool disabled = [] {
     const char* value = std::getenv("FUSED_CE_DISABLE_KERNELS");
@@ -107,8 +131,9 @@ bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype) {
   const char* name = kernel_dtype(dtype);
   if (!device.is_cuda() || name == nullptr || cuda_kernels_disabled()) return false;
   const int arch = device_arch(device.index());
-  for (const char* kernel : {"row_stats", "logit_grad", "logit_partials", "logit_partials_extras", "combine_partials",
-                             "combine_partials_extras", "softmax_grad", "softmax_grad_entropy"}) {
+  // every kernel the build embedded in this dtype for any architecture (configs.KERNELS and their flavors, as
+  // the generated kernel table lists them), for this one
+  for (const char* kernel : kernels_in_dtype(name)) {
     if (find_variant(kernel, name, "general", arch) == nullptr) return false;
   }
   return select_fixed("prepare_rows", device) != nullptr && select_fixed("assemble_loss", device) != nullptr;
@@ -116,6 +141,19 @@ bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype) {
 
 bool cuda_kernels_available(const Problem& p) {
   return cuda_kernels_embedded(p.x.device(), p.x.scalar_type());
+}
+
+bool uses_row_kernels(const Problem& p) {
+  if (!p.x.is_cuda() || p.N == 0) return false;
+  if (cuda_kernels_available(p)) return true;
+  const auto dtype = p.x.scalar_type();
+  const bool kernel_dtype = dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
+  if (kernel_dtype && !cuda_kernels_disabled()) {
+    TORCH_WARN_ONCE("fused_ce: this build has no kernel for sm_", num(device_arch(p.x.device().index())),
+                    "; using the slower chunked ATen path on CUDA. Rebuild with this architecture in "
+                    "FUSED_CE_CUDA_ARCHS (see fused_ce.cuda_archs()).");
+  }
+  return false;
 }
 
 RowStats cuda_row_stats(const Problem& p, const StatsRequest& request) {
@@ -146,27 +184,7 @@ RowStats cuda_row_stats(const Problem& p, const StatsRequest& request) {
       .i32("has_argmax", request.argmax);
   launch(v, p.x.device(), row_tiles * splits, args);
 
-  const at::Tensor m = partial[0];
-  const at::Tensor m_max = std::get<0>(m.max(0));
-  const at::Tensor scale = (m - m_max).exp();  // [splits, N]: each split's sums to the row max
-  const at::Tensor sum = (partial[1] * scale).sum(0);
-  const at::Tensor log_sum = sum.log();
-  // a row holding +inf: the lse +inf (as logsumexp), the loss NaN (as torch's log_softmax) through log_sum
-  const at::Tensor holds_inf = m_max == INFINITY;
-  RowStats s;
-  s.lse = (m_max + log_sum).masked_fill_(holds_inf, INFINITY);
-  s.log_sum = log_sum.masked_fill(holds_inf, NAN);
-  s.target_gap = at::where(p.target.ge(0), m_max - partial[2].sum(0), at::zeros({}, m_max.options()));
-  if (request.weighted_sums) s.weighted_z_sum = partial[3].sum(0);
-  if (request.entropy) {  // log S - T / S, each split's T moved to the row max: e^(m - M) * (t + (m - M) * s)
-    const at::Tensor shift = (m - m_max).nan_to_num_(0.0, 0.0, 0.0);
-    s.entropy = log_sum - (scale * (partial[4] + shift * partial[1])).sum(0) / sum;
-  }
-  if (request.argmax) {  // the first split holding the row max (splits are in column order)
-    const at::Tensor first = m.eq(m_max).to(at::kInt).argmax(0, /*keepdim=*/true);
-    s.argmax = arg.gather(0, first).squeeze(0);
-  }
-  return s;
+  return combine_row_stat_splits(partial, arg, p.target, request);
 }
 
 void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
@@ -365,9 +383,6 @@ at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOpt
   return loss;
 }
 
-namespace {
-
-// False where the kernel does not apply: the caller multiplies instead.
 bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
   if (cuda_kernels_disabled() || !grad.is_contiguous() || scale.scalar_type() != at::kFloat ||
       scale.device() != grad.device()) {
@@ -380,19 +395,6 @@ bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
   const int64_t programs = 4 * int64_t{device_sm_count(grad.device().index())};
   launch(*v, grad.device(), std::clamp<int64_t>(cdiv(grad.numel(), v->block_v), 1, programs), args);
   return true;
-}
-
-}  // namespace
-
-void scale_grad_(const at::Tensor& grad, const at::Tensor& scale) {
-  TORCH_CHECK(scale.numel() == 1, "fused_ce::_scale_grad_: scale must hold one value, got shape ",
-              shape(scale.sizes()));
-  TORCH_CHECK(scale.device() == grad.device() || (scale.is_cpu() && scale.dim() == 0),
-              "fused_ce::_scale_grad_: scale is on ", scale.device().str(), " but grad is on ", grad.device().str());
-  if (grad.numel() == 0) return;
-  const at::Tensor s = scale.reshape({});
-  if (grad.is_cuda() && cuda_scale_(grad, s)) return;
-  grad.mul_(s);
 }
 
 }  // namespace fused_ce

@@ -17,6 +17,9 @@ bool cuda_kernels_disabled();
 bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype);
 // The same for p's device and dtype.
 bool cuda_kernels_available(const Problem& p);
+// Whether the per-row bookkeeping runs in kernels (Plan::rows_on_device), known before the targets are
+// prepared: p is on a device with a cubin for every stage (else a warning, once, where it would have been).
+bool uses_row_kernels(const Problem& p);
 
 // Prologue (prepare_rows.py): from the raw int64 class indices `target` ([N],
 // contiguous), sets p.target (ignored rows -1), p.target_weight and p.totals,
@@ -52,10 +55,8 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
 // Device memory per row of a block of stored logits: the logits and the partials.
 int64_t cuda_logits_row_bytes(const Problem& p);
 
-// fused_ce::_scale_grad_: grad *= scale in place, for gradients computed in the
-// forward; on CUDA a kernel (scale.py) that reads scale on the device and
-// returns at once when it is 1, so `loss.backward()` costs no pass and no
-// synchronisation; elsewhere (CPU, no cubin, non-contiguous grad) a multiply.
-void scale_grad_(const at::Tensor& grad, const at::Tensor& scale);
+// grad *= scale ([] float32 on grad's device) in place by the scale kernel (scale.py), which reads scale on the
+// device and returns at once when it is 1; false where it does not apply (no cubin, a non-contiguous grad).
+bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale);
 
 }  // namespace fused_ce

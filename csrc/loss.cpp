@@ -1,13 +1,15 @@
-// The ops: options, problem and targets, plan, then the plan's executor and the loss.
+// The ops' CPU and CUDA implementations: each a Call (call.h: options, problem, counted rows, plan, the rows
+// run) and its executor.
 #include "loss.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
 #include <cmath>
-#include <limits>
 #include <string>
+#include <utility>
 
+#include "call.h"
 #include "executors.h"
 #include "format.h"
 #include "loss_terms.h"
@@ -20,97 +22,6 @@
 namespace fused_ce {
 namespace {
 
-at::Tensor no_grad(const Problem& p) {
-  return at::empty({0}, p.x.options());
-}
-
-// The executors' 2-D gradients in the shapes and dtypes of the arguments; with `keep_dtypes`, in their own.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> shaped_grads(const Problem& p, const Grads& g, const at::Tensor& input,
-                                                            const at::Tensor& linear_weight, bool keep_dtypes = false) {
-  const auto to = [&](const at::Tensor& t, at::ScalarType dtype) { return keep_dtypes ? t : t.to(dtype); };
-  return {g.input.defined() ? to(g.input, input.scalar_type()).reshape(input.sizes()) : no_grad(p),
-          g.weight.defined() ? to(g.weight, linear_weight.scalar_type()) : no_grad(p),
-          g.bias.defined() ? to(g.bias, p.bias.scalar_type()) : no_grad(p)};
-}
-
-// A loss computed under CUDA graph capture with bad class indices (Problem::unreported_bad_targets) is NaN.
-at::Tensor flag_bad_targets(const Problem& p, const at::Tensor& loss) {
-  if (!p.unreported_bad_targets.defined()) return loss;
-  const at::Tensor nan = at::full({}, std::numeric_limits<double>::quiet_NaN(), loss.options());
-  return at::where(p.unreported_bad_targets.gt(0).reshape({}), nan, loss);
-}
-
-// The problem the executors run on: p's counted rows where the plan says so (Plan::counted_rows_only), else p.
-Problem rows_to_run(const Problem& p, const Plan& plan, const CountedRows& rows) {
-  return plan.counted_rows_only ? p.select_rows(rows.counted_index()) : p;
-}
-
-// values ([K, ...]) of the rows `index` of N rows, `fill` elsewhere (index_copy_: deterministic).
-at::Tensor expand_rows(const at::Tensor& values, const at::Tensor& index, int64_t N, double fill) {
-  at::Tensor out = at::full({N}, fill, values.options());
-  return out.index_copy_(0, index, values);
-}
-
-// The row stats of every row of p from the counted rows' (`counted`): the ignored rows' lse, where asked for
-// (lse_of_ignored_rows), from a forward pass over them; their other stats 0 (the argmax -1: outputs()).
-RowStats every_row(const Problem& p, const LossOptions& o, const CountedRows& rows, const RowStats& counted) {
-  const at::Tensor index = rows.counted_index();
-  const auto expand = [&](const at::Tensor& t) { return t.defined() ? expand_rows(t, index, p.N, 0.0) : t; };
-  RowStats s{expand(counted.lse),     expand(counted.target_gap),
-             expand(counted.log_sum), expand(counted.weighted_z_sum),
-             expand(counted.entropy), expand(counted.argmax)};
-  if (o.lse_of_ignored_rows && rows.counted < p.N) {
-    const at::Tensor ignored_index = rows.ignored_index();
-    const Problem ignored = p.select_rows(ignored_index);
-    const Plan plan = make_plan(ignored, o, Pass::Forward);
-    const Problem shard = vocab_shard(ignored, o);
-    const RowStats part = forward_stats(shard, o, plan);
-    if (o.vocab_parallel()) combine_vocab_shards(shard, part, o);
-    s.lse.index_copy_(0, ignored_index, part.lse.to(s.lse.scalar_type()));
-  }
-  return s;
-}
-
-// The loss shaped like the target: of every row for 'none' (0 at rows not run), else the scalar.
-at::Tensor shaped_loss(const Problem& run, const LossOptions& o, const Plan& plan, const RowStats& s,
-                       const CountedRows& rows, int64_t N, at::IntArrayRef target_shape) {
-  at::Tensor loss = assemble_loss(run, o, plan, s, o.scalar() ? target_shape : at::IntArrayRef{run.N});
-  if (!o.scalar() && plan.counted_rows_only) loss = expand_rows(loss, rows.counted_index(), N, 0.0);
-  return o.scalar() ? loss : loss.reshape(target_shape);
-}
-
-// The rows a call that keeps its logits runs on, in the order of the kept rows (linear_cross_entropy_keeping_logits):
-// the counted ones where their count is read, every row (counted ones first) under CUDA graph capture, where it
-// is not. The forward and the backward find the same order from the same targets, so that the backward reads the
-// forward's rows whichever of the two was captured (rows it finds beyond those the forward computed have no
-// gradient, and softmax_grad writes them exact zeros).
-CountedRows kept_rows(const Problem& p, const CountedRows& rows) {
-  if (rows.known() || !rows.order.defined()) return rows;
-  CountedRows all = rows;
-  all.counted = p.N;
-  return all;
-}
-
-Problem kept_run(const Problem& p, const CountedRows& rows, const CountedRows& kept) {
-  if (p.N == 0 || (rows.known() && rows.counted == p.N)) return p;  // every row, in order
-  return p.select_rows(kept.counted_index());
-}
-
-// The ops' per-row outputs: the lse shaped like the target, the entropy (0 at ignored rows) and the argmax (-1
-// there) where asked for, else empty.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const Problem& p, const RowStats& s, at::IntArrayRef shape) {
-  if (!s.entropy.defined() && !s.argmax.defined())
-    return {s.lse.reshape(shape), at::empty({0}, s.lse.options()), at::empty({0}, p.target.options())};
-  const at::Tensor counted = p.target.ge(0);  // (only then: an ATen kernel, whose first launch costs milliseconds)
-  const at::Tensor entropy = s.entropy.defined()
-                                 ? at::where(counted, s.entropy, at::zeros({}, s.entropy.options())).reshape(shape)
-                                 : at::empty({0}, s.lse.options());
-  const at::Tensor argmax = s.argmax.defined()
-                                ? at::where(counted, s.argmax, at::full({}, -1, s.argmax.options())).reshape(shape)
-                                : at::empty({0}, p.target.options());
-  return {s.lse.reshape(shape), entropy, argmax};
-}
-
 // The kernels' own ATen calls (GEMMs, reductions) run in the dtypes they are given: under autocast, nested
 // calls would otherwise round, say, the logits of a float32 GEMM to bfloat16. Autocast is the ops' own
 // (ops.cpp: it casts the linear's operands, like F.linear).
@@ -118,34 +29,18 @@ using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias,
-    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)) {
-  const auto [loss, lse, entropy, argmax] = linear_cross_entropy_all(
-      input, linear_weight, target, linear_bias,
-      weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
-          FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_CALLER_OPTIONS));
-  return {loss, lse};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_all(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
-  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr);
-  const Plan plan = make_plan(p, o, Pass::Forward, rows.counted);
-  const Problem run = rows_to_run(p, plan, rows);
-  const Problem shard = vocab_shard(run, o);
-  RowStats s = forward_stats(shard, o, plan);
-  if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
-  const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, rows, p.N, target.sizes()));
-  if (plan.counted_rows_only) s = every_row(p, o, rows, s);
-  const auto [lse, entropy, argmax] = outputs(p, s, target.sizes());
-  return {loss, lse, entropy, argmax};
+  const Call call({input, linear_weight, target, linear_bias, weight},
+                  LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::Forward, {});
+  const Problem shard = call.shard();
+  const RowStats s = forward_stats(shard, call.o, call.plan);
+  if (call.o.vocab_parallel()) combine_vocab_shards(shard, s, call.o);
+  const auto [lse, entropy, argmax] = call.outputs(s);
+  return {call.loss(s), lse, entropy, argmax};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
@@ -155,18 +50,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
-  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  // the forward checked these targets; the count is read all the same
-  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
-  GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
-  c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
-  // Ignored rows have no gradient unless their lse has one.
+  // (the forward checked these targets; ignored rows have no gradient unless their lse has one)
   const bool lse_grad = grad_lse && grad_lse->defined();
-  const Plan plan = make_plan(p, o, Pass::Backward, lse_grad ? -1 : rows.counted);
-  const Problem run = rows_to_run(p, plan, rows);
-  if (plan.counted_rows_only) c = c.select_rows(rows.counted_index());
-  return shaped_grads(p, recomputed_grads(vocab_shard(run, o), o, plan, c, output_mask), input, linear_weight);
+  const Call call({input, linear_weight, target, linear_bias, weight},
+                  LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::Backward, {/*check=*/false}, -1,
+                  /*every_row=*/lse_grad);
+  GradCoefficients c =
+      grad_coefficients(call.p, call.o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
+  c.lse = lse.reshape({call.p.N}).to(loss_dtype(call.p)).contiguous();
+  return call.grads(recomputed_grads(call.shard(), call.o, call.plan, call.of_run(c), output_mask));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_keeping_logits(
@@ -174,41 +66,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
-  TORCH_CHECK_VALUE(keeps_logits(input, linear_weight, target, o),
+  LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
+  const std::optional<c10::SymInt> kept = kept_logit_rows(input, linear_weight, target, o);
+  TORCH_CHECK_VALUE(kept.has_value(),
                     "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept (a per-token loss on "
                     "CUDA whose logits fit in workspace_bytes: fused_ce.plan(...).keeps_logits)");
-  const int64_t capacity = kept_logit_rows(input, linear_weight, target, o).guard_int(__FILE__, __LINE__);
-  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const CountedRows rows =
-      prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr, /*order_under_capture=*/true);
-  const CountedRows kept = kept_rows(p, rows);
-  const Problem run = kept_run(p, rows, kept);
-  const Plan plan = make_plan(run, o, Pass::ForwardKeepingLogits);
-  const Problem shard = vocab_shard(run, o);
-  const int64_t kept_n = std::min(capacity, run.N);  // the first rows of the run's order
-  RowStats s;
+  const int64_t capacity = kept->guard_int(__FILE__, __LINE__);
+  const Call call({input, linear_weight, target, linear_bias, weight}, std::move(o), Pass::ForwardKeepingLogits, {},
+                  capacity);
+  const Problem shard = call.shard();
+  const int64_t kept_n = std::min(capacity, call.run.N);  // the first rows of the run's order
   at::Tensor logits;
-  if (kept_n == run.N) {
-    logits = at::empty({capacity, shard.V}, p.x.options());
-    s = forward_stats(shard, o, plan, logits);
+  RowStats s;
+  if (kept_n == call.run.N) {
+    logits = at::empty({capacity, shard.V}, call.p.x.options());
+    s = forward_stats(shard, call.o, call.plan, logits);
   } else {
     // the other rows first, in blocks of their own workspace, freed before the kept logits take its place
-    const Problem rest = shard.row_range(kept_n, run.N);
-    const RowStats rest_stats = forward_stats(rest, o, make_plan(rest, o, Pass::Forward));
-    logits = at::empty({capacity, shard.V}, p.x.options());
+    const Problem rest = shard.row_range(kept_n, call.run.N);
+    const RowStats rest_stats = forward_stats(rest, call.o, make_plan(rest, call.o, Pass::Forward));
+    logits = at::empty({capacity, shard.V}, call.p.x.options());
     const Problem kept_part = shard.row_range(0, kept_n);
     const RowStats kept_stats =
-        forward_stats(kept_part, o, make_plan(kept_part, o, Pass::ForwardKeepingLogits), logits);
-    s = RowStats::allocate(shard, {o.smoothing(), o.return_entropy, o.return_argmax});
+        forward_stats(kept_part, call.o, make_plan(kept_part, call.o, Pass::ForwardKeepingLogits, -1, kept_n), logits);
+    s = RowStats::allocate(shard, {call.o.smoothing(), call.o.return_entropy, call.o.return_argmax});
     s.rows(0, kept_n).copy_(kept_stats);
-    s.rows(kept_n, run.N).copy_(rest_stats);
+    s.rows(kept_n, call.run.N).copy_(rest_stats);
   }
-  if (o.vocab_parallel()) combine_vocab_shards(shard, s, o);
-  const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, kept, p.N, target.sizes()));
-  if (plan.counted_rows_only) s = every_row(p, o, kept, s);
-  const auto [lse, entropy, argmax] = outputs(p, s, target.sizes());
-  return {loss, lse, entropy, argmax, logits};
+  if (call.o.vocab_parallel()) combine_vocab_shards(shard, s, call.o);
+  const auto [lse, entropy, argmax] = call.outputs(s);
+  return {call.loss(s), lse, entropy, argmax, logits};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_from_logits(
@@ -218,23 +105,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
     const std::optional<at::Tensor>& weight, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
-  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const CountedRows rows =
-      prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr, /*order_under_capture=*/true);
-  if (grad_lse && grad_lse->defined() && !(rows.known() && rows.counted == p.N)) {
+  const Call call({input, linear_weight, target, linear_bias, weight},
+                  LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::BackwardFromLogits,
+                  {/*check=*/false}, logits.size(0));
+  if (grad_lse && grad_lse->defined() && !(call.rows.known() && call.rows.counted == call.p.N)) {
     // the lse of ignored rows has a gradient, and their logits may not have been kept: computed again
     return linear_cross_entropy_backward(grad_loss, grad_lse, grad_entropy, input, linear_weight, target, linear_bias,
                                          weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
   }
-  GradCoefficients c = grad_coefficients(p, o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
-  c.lse = lse.reshape({p.N}).to(loss_dtype(p)).contiguous();
-  const CountedRows kept = kept_rows(p, rows);
-  const Problem run = kept_run(p, rows, kept);
-  const Plan plan = make_plan(run, o, Pass::BackwardFromLogits, -1, logits.size(0));
-  if (run.row_index.defined()) c = c.select_rows(kept.counted_index());
-  return shaped_grads(p, grads_from_kept_logits(vocab_shard(run, o), o, plan, c, output_mask, logits), input,
-                      linear_weight);
+  GradCoefficients c =
+      grad_coefficients(call.p, call.o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
+  c.lse = lse.reshape({call.p.N}).to(loss_dtype(call.p)).contiguous();
+  return call.grads(grads_from_kept_logits(call.shard(), call.o, call.plan, call.of_run(c), output_mask, logits));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -242,24 +124,19 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
+  LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   TORCH_CHECK_VALUE(o.scalar(), "fused_ce::linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'");
-  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   GradCoefficients unit;
-  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, &unit);
-  const Plan plan = make_plan(p, o, Pass::ForwardWithGrad, rows.counted);
-  const Problem run = rows_to_run(p, plan, rows);
-  if (plan.counted_rows_only) unit = unit.select_rows(rows.counted_index());
+  const Call call({input, linear_weight, target, linear_bias, weight}, std::move(o), Pass::ForwardWithGrad,
+                  {/*check=*/true, &unit});
   CoefficientSource source;
-  source.fixed = unit;
-  auto [s, g] = forward_with_grad(vocab_shard(run, o), o, plan, source, output_mask);
+  source.fixed = call.of_run(unit);
+  const auto [s, g] = forward_with_grad(call.shard(), call.o, call.plan, source, output_mask);
   // float16's come back in float32 (loss.h): at unit scale, before the upstream gradient, float16 would
   // lose them to underflow.
-  const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight, input.scalar_type() == at::kHalf);
-  const at::Tensor loss = flag_bad_targets(p, shaped_loss(run, o, plan, s, rows, p.N, target.sizes()));
-  if (plan.counted_rows_only) s = every_row(p, o, rows, s);
-  const auto [lse, entropy, argmax] = outputs(p, s, target.sizes());
-  return {loss, lse, entropy, argmax, gx, gw, gb};
+  const auto [gx, gw, gb] = call.grads(g, input.scalar_type() == at::kHalf);
+  const auto [lse, entropy, argmax] = call.outputs(s);
+  return {call.loss(s), lse, entropy, argmax, gx, gw, gb};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_policy_loss_with_grad(
@@ -278,7 +155,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
       log_prob_options("linear_policy_loss", "sum", tempered, ignore_index, workspace_bytes,
                        entropy_coef != 0.0 || return_stats, return_stats FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
   o.policy_loss = true;
-  Problem p = make_problem(input, linear_weight, target, linear_bias, std::nullopt, o);
+  const std::optional<at::Tensor> no_class_weights;
+  const Call call({input, linear_weight, target, linear_bias, no_class_weights}, std::move(o), Pass::ForwardWithGrad,
+                  {});
   const auto per_token = [&](const char* name, const std::optional<at::Tensor>& t) {
     if (!t || !t->defined()) return;
     TORCH_CHECK_VALUE(t->sizes() == target.sizes(), "linear_policy_loss: ", name, " must have the target's shape ",
@@ -291,24 +170,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
   per_token("token_weights", token_weights);
   per_token("old_log_probs", old_log_probs);
   per_token("ref_log_probs", ref_log_probs);
-  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/true, nullptr);
-  const Plan plan = make_plan(p, o, Pass::ForwardWithGrad, rows.counted);
-  const Problem run = rows_to_run(p, plan, rows);
-  const auto selected = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
-    if (!t || !t->defined()) return std::nullopt;
-    const at::Tensor flat = t->reshape({p.N});
-    return plan.counted_rows_only ? flat.index_select(0, rows.counted_index()) : flat;
-  };
   PolicyOptions options{clip_low, clip_high, kl_coef, entropy_coef, kl_times_ratio, return_stats};
-  const PolicyRows policy(run, options, *selected(advantages), selected(token_weights), selected(old_log_probs),
-                          selected(ref_log_probs));
+  const PolicyRows policy(call.run, options, *call.of_run(advantages), call.of_run(token_weights),
+                          call.of_run(old_log_probs), call.of_run(ref_log_probs));
   CoefficientSource source;
   source.from_stats = [&policy](int64_t begin, int64_t end, const RowStats& s) {
     return policy.coefficients(begin, end, s);
   };
-  const auto [s, g] = forward_with_grad(vocab_shard(run, o), o, plan, source, output_mask);
-  const auto [gx, gw, gb] = shaped_grads(p, g, input, linear_weight, input.scalar_type() == at::kHalf);
-  return {flag_bad_targets(p, policy.loss()), policy.stats(), gx, gw, gb};
+  const auto [s, g] = forward_with_grad(call.shard(), call.o, call.plan, source, output_mask);
+  const auto [gx, gw, gb] = call.grads(g, input.scalar_type() == at::kHalf);
+  return {call.flagged(policy.loss()), policy.stats(), gx, gw, gb};
 }
 
 void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -319,11 +190,13 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
   const LossOptions o = LossOptions::from_ivalues(args.slice(6));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const CountedRows rows = prepare_targets(p, o, uses_row_kernels(p), /*check=*/false, nullptr);
-  // (the backward from kept logits: the rows the forward's kept tensor would have)
-  const int64_t kept = pass == Pass::BackwardFromLogits
-                           ? kept_logit_rows(input, linear_weight, target, o).guard_int(__FILE__, __LINE__)
-                           : -1;
+  const CountedRows rows = prepare_targets(p, o, /*check=*/false, nullptr);
+  // (the kept passes: the rows the forward's kept tensor would have)
+  const bool kept_pass = pass == Pass::BackwardFromLogits || pass == Pass::ForwardKeepingLogits;
+  const std::optional<c10::SymInt> kept_rows =
+      kept_pass ? kept_logit_rows(input, linear_weight, target, o) : std::nullopt;
+  // (none kept: Backward's kept tensor has no rows, the forward plans every row)
+  const int64_t kept = kept_rows ? kept_rows->guard_int(__FILE__, __LINE__) : pass == Pass::BackwardFromLogits ? 0 : -1;
   const Plan plan = make_plan(p, o, pass, rows.counted, kept);
   torch::jit::drop(*stack, n);
   for (auto& [name, value] : plan_fields(plan)) stack->push_back(std::move(value));

@@ -14,12 +14,6 @@
 
 namespace fused_ce {
 
-// fused_ce::linear_cross_entropy, the public op: (loss, lse).
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias,
-    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS));
-
 // fused_ce::_linear_cross_entropy, the op every front calls: (loss, lse, entropy, argmax), the last two
 // shaped like the target where asked for (return_entropy, return_argmax), else empty; vocabulary parallel
 // with a process_group (vocab_parallel.h).
@@ -27,6 +21,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
+
+// fused_ce::linear_cross_entropy, the public op, as a kernel of _linear_cross_entropy's (`all`: its CPU/CUDA or
+// its Autograd kernel): its options, the others at their defaults; (loss, lse).
+template <auto all>
+std::tuple<at::Tensor, at::Tensor> public_loss(const at::Tensor& input, const at::Tensor& linear_weight,
+                                               const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                               const std::optional<at::Tensor>& weight
+                                                   FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)) {
+  const auto [loss, lse, entropy, argmax] =
+      all(input, linear_weight, target, linear_bias,
+          weight FUSED_CE_ARGS(FUSED_CE_LOSS_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_OUTPUT_OPTIONS)
+              FUSED_CE_DEFAULTS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_DEFAULTS(FUSED_CE_CALLER_OPTIONS));
+  return {loss, lse};
+}
 
 // fused_ce::linear_cross_entropy_backward: (grad_input, grad_linear_weight,
 // grad_linear_bias) for upstream gradients of the loss, the lse and the entropy,

@@ -1,17 +1,18 @@
 // The options of the ops' schemas, declared once, and LossOptions: their values parsed and checked once,
 // the one value every later step takes whole.
 //
-// Each list below is the one declaration of its options: X(C++ parameter type, name, schema type, default),
-// the default written once for both the schema and C++ (None, True and False are C++ names too, below). From it come
-// the schema text of every op that takes the group (ops.cpp), the C++ parameters and arguments of the ops' functions
-// (FUSED_CE_*_PARAMS / _ARGS), LossOptions' fields, its IValue round trip (what autograd saves), the autograd
-// function's argument count, and the Python front's keywords (fused_ce/functional.py reads them from the op's schema
-// and fails at import when one has no keyword).
+// Each option is declared once, FUSED_CE_OPTION_<name>: X(C++ parameter type, name, schema type, default), the
+// default written once for both the schema and C++ (None, True and False are C++ names too, below); each op's
+// list names its options in its schema's order. From them come the schema text of every op (ops.cpp), the C++
+// parameters and arguments of the ops' functions (FUSED_CE_PARAMS / _ARGS), LossOptions' fields, its IValue
+// round trip (what autograd saves), the autograd function's argument count, and the Python front's arguments
+// (fused_ce/functional.py builds them from the op's schema and fails at import when a keyword of its own names
+// no option of it).
 //
 // Where a new option goes:
-//   - a loss option every op takes (a logit transform like softcap, a loss term like z_loss): a line in
-//     FUSED_CE_LOSS_OPTIONS. It becomes an argument of the public op linear_cross_entropy too; append it
-//     with a default (graphs saved with the old schema keep loading) and never reorder the list.
+//   - a loss option every op takes (a logit transform like softcap, a loss term like z_loss): a
+//     FUSED_CE_OPTION_<name>, and its name appended to FUSED_CE_LOSS_OPTIONS (it becomes an argument of the
+//     public op linear_cross_entropy too: graphs saved with the old schema keep loading; never reorder a list).
 //   - an option of the internal ops only: FUSED_CE_OUTPUT_OPTIONS or FUSED_CE_SHARD_OPTIONS.
 //   Then check its value in LossOptions::check (errors name the argument), make the stages that need it read
 //   it (a Problem field, a kernel argument), and add the keyword to the Python front.
@@ -32,61 +33,67 @@
 #include <string>
 #include <utility>
 
-// The loss options, in the public op's schema order.
-#define FUSED_CE_LOSS_OPTIONS(X)                                    \
-  X(c10::string_view, reduction, "str", "mean")                     \
-  X(int64_t, ignore_index, "int", -100)                             \
-  X(double, label_smoothing, "float", 0.0)                          \
-  X(double, z_loss, "float", 0.0)                                   \
-  X(std::optional<double>, softcap, "float?", None)                 \
-  X(double, logit_scale, "float", 1.0)                              \
-  X(std::optional<int64_t>, workspace_bytes, "int?", None)          \
-  /* the lse of ignored rows too (a forward-only pass over them) */ \
-  X(bool, lse_of_ignored_rows, "bool", True)
-
-// Per-row outputs besides the loss and the lse, computed only when asked for.
-#define FUSED_CE_OUTPUT_OPTIONS(X)       \
-  X(bool, return_entropy, "bool", False) \
-  X(bool, return_argmax, "bool", False)
-
+// Each option, declared once: X(C++ parameter type, name, schema type, default).
+#define FUSED_CE_OPTION_reduction(X) X(c10::string_view, reduction, "str", "mean")
+#define FUSED_CE_OPTION_ignore_index(X) X(int64_t, ignore_index, "int", -100)
+#define FUSED_CE_OPTION_label_smoothing(X) X(double, label_smoothing, "float", 0.0)
+#define FUSED_CE_OPTION_z_loss(X) X(double, z_loss, "float", 0.0)
+#define FUSED_CE_OPTION_softcap(X) X(std::optional<double>, softcap, "float?", None)
+#define FUSED_CE_OPTION_logit_scale(X) X(double, logit_scale, "float", 1.0)
+#define FUSED_CE_OPTION_workspace_bytes(X) X(std::optional<int64_t>, workspace_bytes, "int?", None)
+// the lse of ignored rows too (a forward-only pass over them)
+#define FUSED_CE_OPTION_lse_of_ignored_rows(X) X(bool, lse_of_ignored_rows, "bool", True)
+#define FUSED_CE_OPTION_return_entropy(X) X(bool, return_entropy, "bool", False)
+#define FUSED_CE_OPTION_return_argmax(X) X(bool, return_argmax, "bool", False)
 // Vocabulary parallel (vocab_parallel.h): linear_weight (and linear_bias) hold classes [vocab_start,
 // vocab_start + rows) of vocab_size, the other shards (at most max_shard_rows rows each) being on the ranks
 // of the process group of this name (c10d's registry). "Not sharded" is "" and zeros (AOTInductor's proxy
 // executor mishandles str? and int[] arguments left at None or []).
-#define FUSED_CE_SHARD_OPTIONS(X)               \
-  X(c10::string_view, process_group, "str", "") \
-  X(int64_t, vocab_start, "int", 0)             \
-  X(int64_t, vocab_size, "int", 0)              \
-  X(int64_t, max_shard_rows, "int", 0)
+#define FUSED_CE_OPTION_process_group(X) X(c10::string_view, process_group, "str", "")
+#define FUSED_CE_OPTION_vocab_start(X) X(int64_t, vocab_start, "int", 0)
+#define FUSED_CE_OPTION_vocab_size(X) X(int64_t, vocab_size, "int", 0)
+#define FUSED_CE_OPTION_max_shard_rows(X) X(int64_t, max_shard_rows, "int", 0)
+// The function the user called, which the errors name: linear_log_probs runs _linear_cross_entropy, whose
+// errors (a bad target, a temperature beyond float32) must still name linear_log_probs and its arguments.
+#define FUSED_CE_OPTION_caller(X) X(c10::string_view, caller, "str", "linear_cross_entropy")
+#define FUSED_CE_OPTION_temperature(X) X(double, temperature, "float", 1.0)
+#define FUSED_CE_OPTION_clip_low(X) X(double, clip_low, "float", 0.2)
+#define FUSED_CE_OPTION_clip_high(X) X(double, clip_high, "float", 0.2)
+#define FUSED_CE_OPTION_kl_coef(X) X(double, kl_coef, "float", 0.0)
+#define FUSED_CE_OPTION_kl_times_ratio(X) X(bool, kl_times_ratio, "bool", False)
+#define FUSED_CE_OPTION_entropy_coef(X) X(double, entropy_coef, "float", 0.0)
+#define FUSED_CE_OPTION_return_stats(X) X(bool, return_stats, "bool", False)
+
+// The lists: which options an op takes, in its schema's order (a schema's order is kept: saved graphs pass
+// options by position).
+// The loss options, in the public op's schema order.
+#define FUSED_CE_LOSS_OPTIONS(X)                                                                  \
+  FUSED_CE_OPTION_reduction(X) FUSED_CE_OPTION_ignore_index(X) FUSED_CE_OPTION_label_smoothing(X) \
+      FUSED_CE_OPTION_z_loss(X) FUSED_CE_OPTION_softcap(X) FUSED_CE_OPTION_logit_scale(X)         \
+          FUSED_CE_OPTION_workspace_bytes(X) FUSED_CE_OPTION_lse_of_ignored_rows(X)
+
+// Per-row outputs besides the loss and the lse, computed only when asked for.
+#define FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_OPTION_return_entropy(X) FUSED_CE_OPTION_return_argmax(X)
+
+#define FUSED_CE_SHARD_OPTIONS(X)                                                               \
+  FUSED_CE_OPTION_process_group(X) FUSED_CE_OPTION_vocab_start(X) FUSED_CE_OPTION_vocab_size(X) \
+      FUSED_CE_OPTION_max_shard_rows(X)
+
+#define FUSED_CE_CALLER_OPTIONS(X) FUSED_CE_OPTION_caller(X)
 
 // The options of linear_log_probs (its own schema; it calls _linear_cross_entropy with reduction 'none' and the
 // temperature as a logit scale), followed by the shard options.
-#define FUSED_CE_LOG_PROB_OPTIONS(X)                \
-  X(double, temperature, "float", 1.0)              \
-  X(std::optional<double>, softcap, "float?", None) \
-  X(double, logit_scale, "float", 1.0)              \
-  X(int64_t, ignore_index, "int", -100)             \
-  X(bool, return_entropy, "bool", False)            \
-  X(bool, return_argmax, "bool", False)             \
-  X(std::optional<int64_t>, workspace_bytes, "int?", None)
+#define FUSED_CE_LOG_PROB_OPTIONS(X)                                                                     \
+  FUSED_CE_OPTION_temperature(X) FUSED_CE_OPTION_softcap(X) FUSED_CE_OPTION_logit_scale(X)               \
+      FUSED_CE_OPTION_ignore_index(X) FUSED_CE_OPTION_return_entropy(X) FUSED_CE_OPTION_return_argmax(X) \
+          FUSED_CE_OPTION_workspace_bytes(X)
 
 // The options of linear_policy_loss (policy.h), followed by the shard options.
-#define FUSED_CE_POLICY_OPTIONS(X)                  \
-  X(double, clip_low, "float", 0.2)                 \
-  X(double, clip_high, "float", 0.2)                \
-  X(double, kl_coef, "float", 0.0)                  \
-  X(bool, kl_times_ratio, "bool", False)            \
-  X(double, entropy_coef, "float", 0.0)             \
-  X(double, temperature, "float", 1.0)              \
-  X(std::optional<double>, softcap, "float?", None) \
-  X(double, logit_scale, "float", 1.0)              \
-  X(int64_t, ignore_index, "int", -100)             \
-  X(bool, return_stats, "bool", False)              \
-  X(std::optional<int64_t>, workspace_bytes, "int?", None)
-
-// The function the user called, which the errors name: linear_log_probs runs _linear_cross_entropy, whose
-// errors (a bad target, a temperature beyond float32) must still name linear_log_probs and its arguments.
-#define FUSED_CE_CALLER_OPTIONS(X) X(c10::string_view, caller, "str", "linear_cross_entropy")
+#define FUSED_CE_POLICY_OPTIONS(X)                                                                     \
+  FUSED_CE_OPTION_clip_low(X) FUSED_CE_OPTION_clip_high(X) FUSED_CE_OPTION_kl_coef(X)                  \
+      FUSED_CE_OPTION_kl_times_ratio(X) FUSED_CE_OPTION_entropy_coef(X) FUSED_CE_OPTION_temperature(X) \
+          FUSED_CE_OPTION_softcap(X) FUSED_CE_OPTION_logit_scale(X) FUSED_CE_OPTION_ignore_index(X)    \
+              FUSED_CE_OPTION_return_stats(X) FUSED_CE_OPTION_workspace_bytes(X)
 
 // Every option, in the internal ops' order.
 #define FUSED_CE_ALL_OPTIONS(X) \

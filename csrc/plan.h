@@ -91,25 +91,22 @@ struct Plan {
 // rows, [kept, N), recomputed within the kept tensor's bytes.
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted = -1, int64_t kept = -1);
 
-// Whether the per-row bookkeeping runs in kernels (Plan::rows_on_device), known before the targets are
-// prepared: the device has a cubin for every stage.
-bool uses_row_kernels(const Problem& p);
-
 // The rows of logits a differentiated call of the per-token loss (reduction 'none') with these arguments keeps
 // between forward and backward (Pass::ForwardKeepingLogits, then Pass::BackwardFromLogits), on CUDA with the
 // row kernels: every row (target.numel()) where all their logits (in the input dtype, and their partials) fit
 // in the workspace budget, so that the backward multiplies them back instead of computing them again (6NDV,
 // not 8NDV); else as many as fit with room for their gathered rows of x and dX (at least kMinKeptRows): the
 // first rows of the counted-first order, whose logits the backward then needs no GEMM for, and whose storage
-// holds its workspace for the other rows. 0 where none are kept. Decided from shapes, dtypes and options
-// alone (guarded symbolic sizes under torch.compile), so that the fake kernels know the shapes.
-c10::SymInt kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-                            const LossOptions& o);
-bool keeps_logits(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-                  const LossOptions& o);
+// holds its workspace for the other rows. nullopt where none are kept (the call keeps_logits where there is a
+// value). Decided from shapes, dtypes and options alone (guarded symbolic sizes under torch.compile), so that the
+// fake kernels know the shapes.
+std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight,
+                                           const at::Tensor& target, const LossOptions& o);
 // kept_logit_rows' constants, for the fake kernel (fused_ce/_fake.py): the default CUDA workspace, the fewest
 // rows a partial keep takes, and the bytes of partials per 1024 columns.
 std::vector<int64_t> kept_logit_rows_constants();
+// The same sizing on plain numbers (-1: none kept), for the fake kernel's import-time check against its own.
+int64_t kept_logit_rows_of(int64_t rows, int64_t V, int64_t D, int64_t elem, std::optional<int64_t> workspace_bytes);
 
 // The plan's fields as (name, value): what _plan returns, in this order, and what its schema declares.
 std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan);

@@ -63,11 +63,11 @@ CountedRows count_rows(const at::Tensor& target) {
 
 }  // namespace
 
-CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit,
+CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCoefficients* unit,
                             bool order_under_capture) {
   const at::Tensor raw = p.target;
   CountedRows rows;
-  if (on_device) {
+  if (uses_row_kernels(p)) {
     // prepare_rows makes bad indices ignored rows (nothing is read out of bounds); no host read under capture.
     const bool capturing = stream_capturing(p.x.device());
     at::Tensor order;

@@ -23,15 +23,15 @@ struct CountedRows {
   at::Tensor ignored_index() const { return order.narrow(0, counted, order.numel() - counted); }
 };
 
-// Marks ignored rows (-1 in p.target) and, where `on_device` (the plan's rows_on_device: the row kernels
-// run), sets p.target_weight and p.totals in one launch (cuda_prepare_rows). With `check`, a class index
+// Marks ignored rows (-1 in p.target) and, where the row kernels run (uses_row_kernels: the plan's
+// rows_on_device), sets p.target_weight and p.totals in one launch (cuda_prepare_rows). With `check`, a class index
 // outside [0, V) that is not ignore_index is an IndexError naming it, found by one host read, which also
 // brings the count of counted rows; under CUDA graph capture no read (the count stays unknown, and bad
 // indices make the loss NaN and are reported by the next call outside capture). With `unit`, also the
 // gradient coefficients of the scalar loss for an upstream gradient of 1. Without `check` (the backward's
 // preparation of targets the forward checked) the count is read all the same, outside capture. With
 // `order_under_capture` (and the row kernels), the order is written under capture too, where the count is not read.
-CountedRows prepare_targets(Problem& p, const LossOptions& o, bool on_device, bool check, GradCoefficients* unit,
+CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCoefficients* unit,
                             bool order_under_capture = false);
 
 }  // namespace fused_ce

@@ -84,18 +84,37 @@ def _linear_cross_entropy_keeping_logits_fake(*args, **kwargs):
     return (*outputs, a["input"].new_empty((rows, a["linear_weight"].shape[0])))
 
 
-def _kept_logit_rows(input, linear_weight, target, options):
-    """kept_logit_rows (csrc/plan.h) from shapes: every row where all their logits fit in the workspace, else
-    as many as fit with their gathered rows (at least the minimum; the op checks that some are kept)."""
+def _kept_rows(rows, V, D, elem, workspace_bytes):
+    """kept_rows_of (csrc/plan.cpp) on symbolic sizes: every row where all their logits fit in the workspace, else
+    as many as fit with their gathered rows where that is at least the minimum; -1 where none are kept."""
     default_workspace, min_rows, partial_bytes = torch.ops.fused_ce._kept_logit_rows_constants()
-    V = options["max_shard_rows"] if options["process_group"] else linear_weight.shape[0]
-    elem = input.element_size()
     row_bytes = V * elem + (V + 1023) // 1024 * partial_bytes
-    budget = default_workspace if options["workspace_bytes"] is None else options["workspace_bytes"]
-    if target.numel() * row_bytes <= budget:
-        return target.numel()
-    rows = budget // (row_bytes + 2 * input.shape[-1] * elem)
-    torch._check(rows >= min_rows, lambda: "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept")
+    budget = default_workspace if workspace_bytes is None else workspace_bytes
+    if rows * row_bytes <= budget:
+        return rows
+    kept = budget // (row_bytes + 2 * D * elem)
+    return kept if kept >= min_rows else -1
+
+
+def _check_kept_rows():
+    """At import: the sizing above is the C++ one (the fake kernel needs it on symbolic sizes, which the C++
+    function cannot take from here): a change to one without the other fails loudly."""
+    for rows, V, D, elem, workspace in [(16384, 128256, 4096, 2, None), (2048, 128256, 4096, 2, None),
+                                        (8192, 256000, 2304, 4, 6 << 30), (600, 32000, 256, 2, 1 << 20),
+                                        (1, 1, 1, 2, None), (70000, 50000, 1024, 2, 2 << 30)]:  # fmt: skip
+        want = torch.ops.fused_ce._kept_logit_rows_of(rows, V, D, elem, workspace)
+        if _kept_rows(rows, V, D, elem, workspace) != want:
+            raise ImportError(f"fused_ce/_fake.py's kept-rows sizing differs from csrc/plan.cpp's at {rows, V, D}")
+
+
+_check_kept_rows()
+
+
+def _kept_logit_rows(input, linear_weight, target, options):
+    """kept_logit_rows (csrc/plan.h) from shapes; the op checks that some are kept."""
+    V = options["max_shard_rows"] if options["process_group"] else linear_weight.shape[0]
+    rows = _kept_rows(target.numel(), V, input.shape[-1], input.element_size(), options["workspace_bytes"])
+    torch._check(rows >= 0, lambda: "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept")
     return rows
 
 

@@ -1,9 +1,11 @@
 """The functional front: a drop-in for ``torch.nn.functional.linear_cross_entropy``, and the plan of a call.
 
-The ops' options are declared once, in C++ (csrc/options.h); this module reads their names from the ops'
-schemas and passes them by name, and fails at import when an option of the schema has no value here.
+The ops' options are declared once, in C++ (csrc/options.h); this module builds each call's option arguments
+from the op's schema (names, types, defaults) and fails at import when an option of a schema has no keyword in
+its front.
 """
 
+import inspect
 import math
 import operator
 from typing import Literal, NamedTuple, overload
@@ -13,113 +15,85 @@ from torch import Tensor
 from typing_extensions import TypedDict, Unpack
 
 
-def _option_names(op) -> tuple[str, ...]:
-    """An op's options, in schema order: its arguments after the tensors it begins with."""
-    arguments = op.default._schema.arguments
-    return tuple(a.name for a in arguments if "Tensor" not in str(a.type))
+def _schema_options(op):
+    """An op's options in schema order: (name, type, default) of its arguments after the tensors, the type
+    "float", "int", "bool" or "str" (an optional one's: None allowed)."""
+    return tuple(
+        (a.name, str(a.type).removeprefix("Optional[").removesuffix("]"), a.default_value)
+        for a in op.default._schema.arguments
+        if "Tensor" not in str(a.type)
+    )
 
 
-_ALL_OPTIONS = _option_names(torch.ops.fused_ce._linear_cross_entropy)  # the op every front can call
-_LOSS_OPTIONS = _option_names(torch.ops.fused_ce.linear_cross_entropy)  # the public op's (saved graphs)
+# Read once, at import (torch.compile traces the fronts: plain tuples, not the schemas' objects).
+_OPTIONS = {
+    name: _schema_options(getattr(torch.ops.fused_ce, name))
+    for name in ("_linear_cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_policy_loss")
+}
+_PUBLIC_LOSS_OPTIONS = tuple(n for n, _, _ in _OPTIONS["linear_cross_entropy"])  # the public op's (saved graphs)
 
 
-def _shard_options(shard):
-    """The shard options by name (csrc/options.h); ``shard``: (group name, vocab_start, shard sizes) or None."""
-    group, vocab_start, sizes = shard if shard is not None else ("", 0, [0])
-    return dict(process_group=group, vocab_start=vocab_start, vocab_size=sum(sizes), max_shard_rows=max(sizes))
-
-
-def _class_index(function, value):
-    """``ignore_index`` as torch takes it: an int (None means -100); a float, str or bool is a TypeError, as in
-    ``F.cross_entropy`` (never rounded)."""
-    if value is None:
-        return -100
+def _integer(function, name, value):
+    """An int option as torch takes one: a float, str or bool is a TypeError, as in ``F.cross_entropy`` (never
+    rounded)."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{function}: ignore_index must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{function}: {name} must be an int, got {type(value).__name__} {value!r}")
     return operator.index(value)
 
 
-def _op_options(
-    *,
-    caller="linear_cross_entropy",
-    reduction="mean",
-    ignore_index=-100,
-    label_smoothing=0.0,
-    z_loss=0.0,
-    softcap=None,
-    logit_scale=1.0,
-    workspace_bytes=None,
-    lse_of_ignored_rows=True,
-    return_entropy=False,
-    return_argmax=False,
-    shard=None,
-):
-    """The ops' option arguments by name (csrc/options.h); ``shard``: (group name, vocab_start, shard sizes)."""
-    options = dict(
-        reduction=reduction,
-        ignore_index=_class_index(caller, ignore_index),
-        label_smoothing=float(label_smoothing),
-        z_loss=float(z_loss),
-        softcap=None if softcap is None else float(softcap),
-        logit_scale=float(logit_scale),
-        workspace_bytes=workspace_bytes,
-        lse_of_ignored_rows=bool(lse_of_ignored_rows),
-        return_entropy=bool(return_entropy),
-        return_argmax=bool(return_argmax),
-        **_shard_options(shard),
-        caller=caller,
-    )
-    return options
+_CONVERT = {"float": float, "bool": bool, "str": str}
 
 
-def _check_front(op_name, declared, options):
-    """At import: the front sets exactly the options the op declares (a new C++ option needs a keyword here)."""
-    if set(options) != set(declared):
+def _option_arguments(op, caller, shard=None, **values):
+    """The option arguments of the op named ``op``, by name: each from ``values`` or at its schema default, as
+    its schema types it (a float from any real, an int from an int only); ``shard``: (group name, vocab_start,
+    shard sizes) or None; ``caller``, the function the errors name."""
+    group, vocab_start, sizes = shard if shard is not None else ("", 0, [0])
+    values.update(process_group=group, vocab_start=vocab_start, vocab_size=sum(sizes), max_shard_rows=max(sizes))
+    if any(name == "caller" for name, _, _ in _OPTIONS[op]):
+        values["caller"] = caller
+    arguments = {}
+    for name, kind, default in _OPTIONS[op]:
+        value = values.pop(name, default)
+        if name == "ignore_index" and value is None:
+            value = -100  # (as torch)
+        if value is not None:
+            value = _integer(caller, name, value) if kind == "int" else _CONVERT[kind](value)
+        arguments[name] = value
+    if values:  # (a keyword of the front that the op does not declare)
+        raise TypeError(f"{caller}: {op} takes no option {sorted(values)}")
+    return arguments
+
+
+# The options a front's own keywords do not name: the shard, the caller, and what a front sets itself.
+_SET_BY_THE_FRONT = {"process_group", "vocab_start", "vocab_size", "max_shard_rows", "caller"}
+
+
+def _check_front(function, op, internal=()):
+    """At import: every option of the op is a keyword of its front (or set by the front itself): a new C++ option
+    needs a keyword here."""
+    missing = [
+        name
+        for name, _, _ in _OPTIONS[op]
+        if name not in inspect.signature(function).parameters and name not in _SET_BY_THE_FRONT | set(internal)
+    ]
+    if missing:
         raise ImportError(
-            f"fused_ce: the Python front of {op_name} sets the options {sorted(options)} but the op declares "
-            f"{list(declared)} (csrc/options.h): give each new option a keyword in fused_ce/functional.py"
+            f"fused_ce: {function.__name__} has no keyword for the options {missing} of "
+            f"fused_ce::{op} (csrc/options.h): give each new option a keyword in fused_ce/functional.py"
         )
 
 
-_DEFAULT_OPTIONS = _op_options()
-_check_front("_linear_cross_entropy", _ALL_OPTIONS, _DEFAULT_OPTIONS)
-
-
-def _log_prob_options(
-    *,
-    temperature=1.0,
-    softcap=None,
-    logit_scale=1.0,
-    ignore_index=-100,
-    return_entropy=False,
-    return_argmax=False,
-    workspace_bytes=None,
-    shard=None,
-):
-    """linear_log_probs' option arguments by name (csrc/options.h, FUSED_CE_LOG_PROB_OPTIONS)."""
-    options = dict(
-        temperature=float(temperature),
-        softcap=None if softcap is None else float(softcap),
-        logit_scale=float(logit_scale),
-        ignore_index=_class_index("linear_log_probs", ignore_index),
-        return_entropy=bool(return_entropy),
-        return_argmax=bool(return_argmax),
-        workspace_bytes=workspace_bytes,
-        **_shard_options(shard),
-    )
-    return options
-
-
-_check_front("linear_log_probs", _option_names(torch.ops.fused_ce.linear_log_probs), _log_prob_options())
+_DEFAULT_OPTIONS = _option_arguments("_linear_cross_entropy", "linear_cross_entropy")
 
 
 def _call(input, linear_weight, target, linear_bias, weight, options):
     """(loss, lse, entropy, argmax): the public op where its options suffice (the op saved graphs hold), else
     the op with every option."""
-    public = all(options[name] == value for name, value in _DEFAULT_OPTIONS.items() if name not in _LOSS_OPTIONS)
+    public = all(options[n] == value for n, value in _DEFAULT_OPTIONS.items() if n not in _PUBLIC_LOSS_OPTIONS)
     if public:
         loss, lse = torch.ops.fused_ce.linear_cross_entropy(
-            input, linear_weight, target, linear_bias, weight, **{name: options[name] for name in _LOSS_OPTIONS}
+            input, linear_weight, target, linear_bias, weight, **{n: options[n] for n in _PUBLIC_LOSS_OPTIONS}
         )
         return loss, lse, None, None
     return torch.ops.fused_ce._linear_cross_entropy(input, linear_weight, target, linear_bias, weight, **options)
@@ -287,18 +261,11 @@ def linear_cross_entropy(
     input, linear_weight, target, linear_bias, weight, shard = _vocab_parallel(
         input, linear_weight, target, linear_bias, weight, process_group, vocab_start
     )
-    options = _op_options(
-        reduction=reduction,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        workspace_bytes=workspace_bytes,
-        lse_of_ignored_rows=return_lse,
-        return_argmax=return_argmax,
-        shard=shard,
-    )
+    options = _option_arguments(
+        "_linear_cross_entropy", "linear_cross_entropy", shard=shard, reduction=reduction, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
+        workspace_bytes=workspace_bytes, lse_of_ignored_rows=return_lse, return_argmax=return_argmax,
+    )  # fmt: skip
     loss, lse, _, argmax = _call(input, linear_weight, target, linear_bias, weight, options)
     outputs = (loss,) + ((lse,) if return_lse else ()) + ((argmax,) if return_argmax else ())
     return outputs[0] if len(outputs) == 1 else outputs
@@ -355,7 +322,7 @@ def _k_dimensional(
     else:
         loss = torch.stack(losses).sum()
         if reduction == "mean":  # torch's: divided by the summed weights of every counted target
-            counted = t != _class_index("linear_cross_entropy", ignore_index)
+            counted = t != (-100 if ignore_index is None else ignore_index)  # (checked by the calls above)
             if weight is None:
                 total = counted.sum().to(loss.dtype)
             else:
@@ -422,16 +389,11 @@ def linear_log_probs(
     input, linear_weight, target, linear_bias, _, shard = _vocab_parallel(
         input, linear_weight, target, linear_bias, None, process_group, None
     )
-    options = _log_prob_options(
-        temperature=temperature,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        ignore_index=ignore_index,
-        return_entropy=return_entropy,
-        return_argmax=return_argmax,
-        workspace_bytes=workspace_bytes,
-        shard=shard,
-    )
+    options = _option_arguments(
+        "linear_log_probs", "linear_log_probs", shard=shard, temperature=temperature,
+        softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index, return_entropy=return_entropy,
+        return_argmax=return_argmax, workspace_bytes=workspace_bytes,
+    )  # fmt: skip
     log_probs, entropy, argmax = torch.ops.fused_ce.linear_log_probs(
         input, linear_weight, target, linear_bias, **options
     )
@@ -449,41 +411,6 @@ class PolicyStats(NamedTuple):
     kl: Tensor  # mean k3 KL against the reference policy, times the ratio with kl_times_ratio (0 without ref)
     entropy: Tensor  # mean entropy
     accuracy: Tensor  # fraction of tokens whose action is the most likely token
-
-
-def _policy_options(
-    *,
-    clip_low=0.2,
-    clip_high=0.2,
-    kl_coef=0.0,
-    kl_times_ratio=False,
-    entropy_coef=0.0,
-    temperature=1.0,
-    softcap=None,
-    logit_scale=1.0,
-    ignore_index=-100,
-    return_stats=False,
-    workspace_bytes=None,
-    shard=None,
-):
-    """linear_policy_loss' option arguments by name (csrc/options.h, FUSED_CE_POLICY_OPTIONS)."""
-    return dict(
-        clip_low=float(clip_low),
-        clip_high=float(clip_high),
-        kl_coef=float(kl_coef),
-        kl_times_ratio=bool(kl_times_ratio),
-        entropy_coef=float(entropy_coef),
-        temperature=float(temperature),
-        softcap=None if softcap is None else float(softcap),
-        logit_scale=float(logit_scale),
-        ignore_index=_class_index("linear_policy_loss", ignore_index),
-        return_stats=bool(return_stats),
-        workspace_bytes=workspace_bytes,
-        **_shard_options(shard),
-    )
-
-
-_check_front("linear_policy_loss", _option_names(torch.ops.fused_ce.linear_policy_loss), _policy_options())
 
 
 def linear_policy_loss(
@@ -540,20 +467,12 @@ def linear_policy_loss(
     input, linear_weight, actions, linear_bias, _, shard = _vocab_parallel(
         input, linear_weight, actions, linear_bias, None, process_group, None
     )
-    options = _policy_options(
-        clip_low=clip_low,
-        clip_high=clip_high,
-        kl_coef=kl_coef,
-        kl_times_ratio=kl_times_ratio,
-        entropy_coef=entropy_coef,
-        temperature=temperature,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        ignore_index=ignore_index,
-        return_stats=return_stats,
-        workspace_bytes=workspace_bytes,
-        shard=shard,
-    )
+    options = _option_arguments(
+        "linear_policy_loss", "linear_policy_loss", shard=shard, clip_low=clip_low,
+        clip_high=clip_high, kl_coef=kl_coef, kl_times_ratio=kl_times_ratio, entropy_coef=entropy_coef,
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
+        return_stats=return_stats, workspace_bytes=workspace_bytes,
+    )  # fmt: skip
     loss, stats = torch.ops.fused_ce.linear_policy_loss(
         input, linear_weight, actions, advantages, token_weights, old_log_probs, ref_log_probs, linear_bias, **options
     )
@@ -561,6 +480,10 @@ def linear_policy_loss(
         return loss
     return loss, PolicyStats(*stats.unbind())
 
+
+_check_front(linear_cross_entropy, "_linear_cross_entropy", internal=("lse_of_ignored_rows", "return_entropy"))
+_check_front(linear_log_probs, "linear_log_probs")
+_check_front(linear_policy_loss, "linear_policy_loss")
 
 _DTYPES = {"BFloat16": torch.bfloat16, "Half": torch.float16, "Float": torch.float32, "Double": torch.float64}
 
@@ -620,7 +543,9 @@ def plan(
         pass_ = "forward_with_grad" if differentiable and in_forward else "forward"
     else:
         differentiable = False
-    options = _op_options(**keywords, lse_of_ignored_rows=return_lse, shard=shard)
+    options = _option_arguments(
+        "_linear_cross_entropy", "linear_cross_entropy", **keywords, lse_of_ignored_rows=return_lse, shard=shard
+    )
     fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, bias, weight, **options)
     if differentiable and pass_ == "forward" and fields[Plan._fields.index("keeps_logits")]:
         pass_ = "forward_keeping_logits"

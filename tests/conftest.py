@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # cuBLAS is deterministic only with a fixed workspace; torch requires this under
-# torch.use_deterministic_algorithms(True) (test_features.py).
+# torch.use_deterministic_algorithms(True) (test_autograd_and_dtypes.py).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402

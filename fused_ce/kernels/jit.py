@@ -104,18 +104,13 @@ def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, so
                 has_entropy=int(entropy), has_argmax=int(argmax),
                 **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     _launch(_row_stats, (triton.cdiv(N, cfg.block_n) * splits,), args, **_dot_tile_meta(cfg, x))
-    m = partial[0]
-    m_max = m.max(0).values
-    scale = (m - m_max).exp()
-    total = (partial[1] * scale).sum(0)
-    lse = m_max + total.log()
-    stats = (lse, partial[2].sum(0), partial[3].sum(0) if smoothing else None)
+    # the splits combined by the library's own combination (csrc/aten_stages.cpp, combine_row_stat_splits)
+    lse, _, _, wz, ent, am = torch.ops.fused_ce._combine_row_stat_splits(
+        partial, arg, target, smoothing, entropy, argmax)
+    stats = (lse, partial[2].sum(0), wz if smoothing else None)
     if not (entropy or argmax):
         return stats
-    shift = (m - m_max).nan_to_num(0.0, 0.0, 0.0)
-    ent = total.log() - (scale * (partial[4] + shift * partial[1])).sum(0) / total if entropy else None
-    am = arg.gather(0, m.eq(m_max).int().argmax(0, keepdim=True)).squeeze(0) if argmax else None
-    return stats + (ent, am)
+    return stats + (ent if entropy else None, am if argmax else None)
 
 
 def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end, *, bias=None,

@@ -1,0 +1,70 @@
+// One op call's pipeline, made once: its options and problem, the counted rows, the plan (the kept rows
+// included), the rows the executors run on and their vocabulary shard; then the loss, the per-row outputs and
+// the gradients in the arguments' shapes. Each op of loss.cpp is a few lines over it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "executors.h"
+#include "options.h"
+#include "plan.h"
+#include "problem.h"
+#include "targets.h"
+
+namespace fused_ce {
+
+// The tensor arguments every loss op begins with.
+struct LossInputs {
+  const at::Tensor& input;
+  const at::Tensor& linear_weight;
+  const at::Tensor& target;
+  const std::optional<at::Tensor>& linear_bias;
+  const std::optional<at::Tensor>& weight;
+};
+
+class Call {
+ public:
+  // What preparing the targets does beyond marking ignored rows (prepare_targets).
+  struct Targets {
+    bool check = true;                 // check the class indices (the forward's; the backward's were checked)
+    GradCoefficients* unit = nullptr;  // also the scalar loss's unit gradient coefficients
+  };
+
+  // The pipeline up to the plan. The kept-logits passes run the kept rows' order (CountedRows::order) and plan for
+  // `kept` rows of kept logits (the forward's capacity, the backward's kept tensor); every_row (the backward
+  // with a gradient on every row's lse) plans for all rows.
+  Call(const LossInputs& in, LossOptions options, Pass pass, const Targets& targets, int64_t kept = -1,
+       bool every_row = false);
+
+  const LossOptions o;
+  Problem p;         // every row
+  CountedRows rows;  // which rows count, in the executors' order (the kept order for the kept passes)
+  Plan plan;
+  Problem run;  // the rows the executors take: the counted ones where the plan says so (or the kept order)
+
+  Problem shard() const { return vocab_shard(run, o); }
+  // c of the run's rows (the counted ones where they are selected)
+  GradCoefficients of_run(const GradCoefficients& c) const;
+  // A per-token tensor shaped like the target, as [run.N] rows
+  std::optional<at::Tensor> of_run(const std::optional<at::Tensor>& t) const;
+  // The loss shaped like the target (of every row for 'none', 0 at rows not run, else the scalar); NaN where
+  // a CUDA graph capture saw bad class indices.
+  at::Tensor loss(const RowStats& run_stats) const;
+  // A scalar loss made NaN where a CUDA graph capture saw bad class indices (the policy loss's).
+  at::Tensor flagged(const at::Tensor& loss) const;
+  // (lse, entropy, argmax) of every row shaped like the target (the entropy 0 and the argmax -1 at ignored rows;
+  // empty where not asked for): the run's stats, the ignored rows' lse from a forward pass where asked for.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const RowStats& run_stats) const;
+  // The executors' gradients in the arguments' shapes and dtypes; with `keep_dtypes` in their own.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> grads(const Grads& g, bool keep_dtypes = false) const;
+
+ private:
+  std::vector<int64_t> target_shape_, input_shape_;
+  at::ScalarType input_dtype_, weight_dtype_;
+};
+
+}  // namespace fused_ce

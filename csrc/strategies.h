@@ -1,0 +1,54 @@
+// What plan.cpp and strategies.cpp share: the budgets and constants of the plan, the architecture's
+// constants, and the strategies of each pass (plan.h says what a plan is).
+#pragma once
+
+#include <cstdint>
+
+#include "kernel_table.h"
+#include "options.h"
+#include "plan.h"
+#include "problem.h"
+
+namespace fused_ce {
+
+// 2048 rows of logits at V = 128256 (1024 at V = 256000) in bf16, so that the
+// whole workspace stays under 0.5 GiB.
+constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
+constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
+// Row blocks whose dW sums may be added in the input dtype: at D = 4096, V = 128256
+// in bf16, 8 such additions leave dW's error 1.35x torch's single rounding, 16 leave 2x;
+// float16's grow faster (1.33x after 3 additions, 1.57x after 6: benchmarks/results/2026-12-01/
+// accuracy_per_token_s10_first.md), so it adds 4 at most.
+inline int64_t input_dtype_accumulations(at::ScalarType dtype) {
+  return dtype == at::kHalf ? 4 : 8;
+}
+// Vocabulary slices of the backward (backward_tiles): at most this many, their dX summed in float32.
+constexpr int64_t kMaxSlices = 8;
+// A per-token loss keeps some rows' logits (kept_logit_rows) only where at least this many fit: fewer save
+// less than their block's GEMMs lose to their few rows.
+constexpr int64_t kMinKeptRows = 512;
+// logit_partials' partials per row at its smallest segments (3 floats per 1024 columns)
+constexpr int64_t kPartialBytesPer1024Columns = 3 * sizeof(float);
+
+inline int64_t cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The plan's per-architecture constants (configs.py, ARCH_CONSTANTS, embedded
+// by the build): the device's entry, else the default (arch 0).
+inline const ArchConstants& arch_constants(int arch) {
+  const ArchConstants* fallback = nullptr;
+  for (int i = 0; i < kNumArchConstants; ++i) {
+    if (kArchConstants[i].arch == arch) return kArchConstants[i];
+    if (kArchConstants[i].arch == 0) fallback = &kArchConstants[i];
+  }
+  TORCH_CHECK(fallback != nullptr, "fused_ce: the build embedded no plan constants");
+  return *fallback;
+}
+
+// The plan's strategy, blocks, dtypes and workspace: the ATen path's (CPU, and CUDA devices without a fitting
+// cubin), and the embedded kernels'.
+void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
+void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
+
+}  // namespace fused_ce
