@@ -16,12 +16,12 @@ namespace fused_ce {
 
 // The ops: the loss (and lse), the recomputing backward, the forward that also returns the gradients of a
 // scalar loss, and the pair that keeps a per-token loss's logits from its forward for its backward (6NDV
-// instead of 8NDV, for the logits' memory: keeps_logits).
+// instead of 8NDV, for the logits' memory: Plan::keeps_logits).
 enum class Pass { Forward, Backward, ForwardWithGrad, ForwardKeepingLogits, BackwardFromLogits };
 
 enum class Strategy {
-  // ATen in float32 (float64 for float64 inputs), blocks of whole vocabulary
-  // rows: the CPU path, and CUDA devices without a fitting cubin.
+  // ATen, blocks of whole vocabulary rows, the products in the input dtype and the softmax in float32
+  // (float64 for float64 inputs): the CPU path, and CUDA devices without a fitting cubin.
   AtenChunks,
   // cuBLAS writes blocks of whole vocabulary rows of logits; tile kernels reduce
   // them (logit_partials, combine_partials) and, with the gradient, turn them
@@ -55,7 +55,7 @@ struct Plan {
   int64_t block_rows = 0;                    // rows of logits per block
   int64_t tile_cols = 0;                     // vocabulary columns per block (V: whole rows)
   int64_t stats_block_rows = 0;              // VocabTiles: rows per block of its stats pass; else 0
-  at::ScalarType logits_dtype = at::kFloat;  // of the logit blocks and the GEMMs on them
+  at::ScalarType logits_dtype = at::kFloat;  // of the logit blocks and the GEMMs on them (ATen: the GEMMs')
   // The stored logits are the logits times this (cuBLAS's alpha): 2^-8 for float16, so that they overflow only
   // past 65504 * 2^8 = 1.7e7 instead of 65504 (relative precision unchanged; absolute error below 2^-16).
   // The kernels that read them multiply by its inverse along with logit_scale. 1 elsewhere.
