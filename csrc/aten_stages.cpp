@@ -13,17 +13,10 @@ namespace {
 // the bias) in the input dtype, as torch's F.linear, so that the weight is never converted (plan_aten_chunks);
 // float16's at kFloat16LogitsScale, finite beyond float16's range.
 at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
-  const at::Tensor w = p.w.narrow(0, v_begin, v_end - v_begin);
+  const Problem slice = p.cols(v_begin, v_end);
   const double scale = p.x.scalar_type() == at::kHalf ? kFloat16LogitsScale : 1.0;
-  at::Tensor product;
-  if (p.bias.defined()) {
-    product = at::addmm(p.bias.narrow(0, v_begin, v_end - v_begin), p.x, w.t(), scale, scale);
-  } else if (scale != 1.0) {
-    product = at::empty({p.x.size(0), w.size(0)}, p.x.options());
-    at::addmm_out(product, product, p.x, w.t(), /*beta=*/0, scale);  // beta 0: product's contents are not read
-  } else {
-    product = at::mm(p.x, w.t());
-  }
+  at::Tensor product = at::empty({p.N, slice.V}, p.x.options());
+  logits_into(slice, product, scale);
   at::Tensor z = product.to(loss_dtype(p));
   if (p.logit_scale / scale != 1.0) z.mul_(p.logit_scale / scale);
   if (p.softcap) z.div_(*p.softcap).tanh_().mul_(*p.softcap);

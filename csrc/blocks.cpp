@@ -8,16 +8,6 @@
 
 namespace fused_ce {
 
-void logits_into(const Problem& p, at::Tensor& out, double scale) {
-  if (p.bias.defined()) {
-    at::addmm_out(out, p.bias, p.x, p.w.t(), /*beta=*/scale, /*alpha=*/scale);
-  } else if (scale != 1.0) {
-    at::addmm_out(out, out, p.x, p.w.t(), /*beta=*/0, /*alpha=*/scale);  // beta 0: out's contents are not read
-  } else {
-    at::mm_out(out, p.x, p.w.t());
-  }
-}
-
 Problem reading_stored_logits(const Problem& p, const Plan& plan) {
   Problem stored = p;
   stored.logit_scale = p.logit_scale / plan.logits_scale;

@@ -32,8 +32,6 @@ Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need);
 // their rows of grad_input.
 at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::Tensor& buffer, int64_t r0, int64_t r1);
 void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0);
-// raw logits (x @ w.T + b) * scale of the rows of `p` into `out` (cuBLAS)
-void logits_into(const Problem& p, at::Tensor& out, double scale = 1.0);
 // p as the kernels over logits stored at plan.logits_scale see it (logit_scale / logits_scale).
 Problem reading_stored_logits(const Problem& p, const Plan& plan);
 // Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass), the

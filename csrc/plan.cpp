@@ -82,17 +82,16 @@ std::optional<Int> kept_rows_of(const Int& rows, const Int& V, const Int& D, int
   return std::nullopt;
 }
 
-// kept_logit_rows, or nullopt where none are kept.
-std::optional<c10::SymInt> kept_rows_if_any(const at::Tensor& input, const at::Tensor& linear_weight,
-                                            const at::Tensor& target, const LossOptions& o) {
+}  // namespace
+
+std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight,
+                                           const at::Tensor& target, const LossOptions& o) {
   if (o.scalar() || !cuda_kernels_embedded(input.device(), input.scalar_type())) return std::nullopt;
   // every rank of a vocabulary-parallel group decides alike, for the largest shard (the same collectives)
   const c10::SymInt V = o.vocab_parallel() ? c10::SymInt(o.max_shard_rows) : linear_weight.sym_size(0);
   return kept_rows_of<c10::SymInt>(target.sym_numel(), V, input.sym_size(-1), c10::elementSize(input.scalar_type()),
                                    o.workspace_bytes.value_or(kDefaultCudaWorkspace));
 }
-
-}  // namespace
 
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted, int64_t kept) {
   TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar(),
@@ -110,7 +109,7 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
   // own rows (a selection of rows is planned for a call that has decided); the kept passes are told how many.
   const std::optional<c10::SymInt> would_keep =
       (pass == Pass::Forward || (pass == Pass::ForwardKeepingLogits && kept < 0)) && !p.row_index.defined()
-          ? kept_rows_if_any(p.x, p.w, p.target, o)
+          ? kept_logit_rows(p.x, p.w, p.target, o)
           : std::nullopt;
   const bool keeps = would_keep.has_value();
   const int64_t kept_rows = keeps ? would_keep->guard_int(__FILE__, __LINE__) : 0;
@@ -130,11 +129,6 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
   const Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true, kept);
   // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits)
   return with_keeps(kept_pass || counted_rows_pay(selected, all, p) ? selected : all);
-}
-
-std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight,
-                                           const at::Tensor& target, const LossOptions& o) {
-  return kept_rows_if_any(input, linear_weight, target, o);
 }
 
 std::vector<int64_t> kept_logit_rows_constants() {

@@ -124,6 +124,16 @@ at::ScalarType loss_dtype(const Problem& p) {
   return p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+void logits_into(const Problem& p, at::Tensor& out, double scale) {
+  if (p.bias.defined()) {
+    at::addmm_out(out, p.bias, p.x, p.w.t(), /*beta=*/scale, /*alpha=*/scale);
+  } else if (scale != 1.0) {
+    at::addmm_out(out, out, p.x, p.w.t(), /*beta=*/0, /*alpha=*/scale);  // beta 0: out's contents are not read
+  } else {
+    at::mm_out(out, p.x, p.w.t());
+  }
+}
+
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      const LossOptions& o) {
@@ -138,10 +148,8 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   const int64_t V = o.vocab_parallel() ? o.vocab_size : rows;
   TORCH_CHECK(linear_weight.size(1) == D, op, ": linear_weight ", shape(linear_weight.sizes()), " has ",
               num(linear_weight.size(1)), " features but input has ", num(D),
-              linear_weight.size(0) == D
-                  ? "; linear_weight is laid out [V, D] (one row per class, as nn.Linear's "
-                    "weight): pass it untransposed"
-                  : "; linear_weight is laid out [V, D] (one row per class, as nn.Linear's weight)");
+              "; linear_weight is laid out [V, D] (one row per class, as nn.Linear's weight)",
+              linear_weight.size(0) == D ? ": pass it untransposed" : "");
   TORCH_CHECK(rows > 0, op, ": linear_weight must have at least one class (row)");
   TORCH_CHECK_VALUE(o.vocab_start + rows <= V, op, ": the vocabulary shard [", num(o.vocab_start), ", ",
                     num(o.vocab_start + rows), ") of linear_weight does not fit in vocab_size ", num(V));

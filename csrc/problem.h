@@ -89,6 +89,9 @@ struct GradCoefficients {
 // logits up to 65504 / scale stay finite, beyond float16's own range.
 constexpr double kFloat16LogitsScale = 1.0 / 256;
 
+// The raw logits (x @ w.T + b) * scale of p's rows into `out` ([N, V], in the input dtype: one GEMM).
+void logits_into(const Problem& p, at::Tensor& out, double scale = 1.0);
+
 // The dtype of the loss and of the ATen stages' arithmetic: float64 for float64 inputs, else float32.
 at::ScalarType loss_dtype(const Problem& p);
 

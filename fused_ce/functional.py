@@ -30,6 +30,7 @@ _OPTIONS = {
     name: _schema_options(getattr(torch.ops.fused_ce, name))
     for name in ("_linear_cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_policy_loss")
 }
+_TAKES_CALLER = {op for op, options in _OPTIONS.items() if any(name == "caller" for name, _, _ in options)}
 _PUBLIC_LOSS_OPTIONS = tuple(n for n, _, _ in _OPTIONS["linear_cross_entropy"])  # the public op's (saved graphs)
 
 
@@ -50,7 +51,7 @@ def _option_arguments(op, caller, shard=None, **values):
     shard sizes) or None; ``caller``, the function the errors name."""
     group, vocab_start, sizes = shard if shard is not None else ("", 0, [0])
     values.update(process_group=group, vocab_start=vocab_start, vocab_size=sum(sizes), max_shard_rows=max(sizes))
-    if any(name == "caller" for name, _, _ in _OPTIONS[op]):
+    if op in _TAKES_CALLER:
         values["caller"] = caller
     arguments = {}
     for name, kind, default in _OPTIONS[op]:

@@ -711,7 +711,7 @@ def apply(model, *, token_accuracy=False):
     cls = model if isinstance(model, type) else type(model)
     if not isinstance(model, type):
         # now, not at the first call: a forward compiled before any eager call then finds the head switched
-        _route_through(_head_of(model, head))
+        _route_through(getattr(model, head))
     current = cls.forward if isinstance(model, type) else model.forward
     if getattr(current, "_fused_ce_original", None) is not None:
         return model  # already switched
