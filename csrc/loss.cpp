@@ -27,6 +27,16 @@ namespace {
 // (ops.cpp: it casts the linear's operands, like F.linear).
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
+// The forward's outputs (loss, lse, entropy, argmax): the Forward pipeline.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(const LossInputs& in, LossOptions o) {
+  const Call call(in, std::move(o), Pass::Forward, {});
+  const Problem shard = call.shard();
+  const RowStats s = forward_stats(shard, call.o, call.plan);
+  if (call.o.vocab_parallel()) combine_vocab_shards(shard, s, call.o);
+  const auto [lse, entropy, argmax] = call.outputs(s);
+  return {call.loss(s), lse, entropy, argmax};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_all(
@@ -34,13 +44,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const Call call({input, linear_weight, target, linear_bias, weight},
-                  LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::Forward, {});
-  const Problem shard = call.shard();
-  const RowStats s = forward_stats(shard, call.o, call.plan);
-  if (call.o.vocab_parallel()) combine_vocab_shards(shard, s, call.o);
-  const auto [lse, entropy, argmax] = call.outputs(s);
-  return {call.loss(s), lse, entropy, argmax};
+  return forward_outputs({input, linear_weight, target, linear_bias, weight},
+                         LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
@@ -68,9 +73,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   const std::optional<c10::SymInt> kept = kept_logit_rows(input, linear_weight, target, o);
-  TORCH_CHECK_VALUE(kept.has_value(),
-                    "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept (a per-token loss on "
-                    "CUDA whose logits fit in workspace_bytes: fused_ce.plan(...).keeps_logits)");
+  if (!kept) {  // none kept: the forward alone
+    return std::tuple_cat(forward_outputs({input, linear_weight, target, linear_bias, weight}, std::move(o)),
+                          std::make_tuple(at::empty({0, linear_weight.size(0)}, input.options())));
+  }
   const int64_t capacity = kept->guard_int(__FILE__, __LINE__);
   const Call call({input, linear_weight, target, linear_bias, weight}, std::move(o), Pass::ForwardKeepingLogits, {},
                   capacity);

@@ -50,7 +50,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
 // _linear_cross_entropy_backward_from_logits: [target.numel(), V] in the input dtype (times the plan's
 // logits_scale), kept row r holding the logits of row order[r] (CountedRows::order, counted rows first), the
 // counted rows' only where their count is read: the rows beyond are left uninitialised (the backward gives them
-// no gradient and writes them zeros). For per-token losses whose kept_logit_rows (plan.h) has a value.
+// no gradient and writes them zeros). None ([0, V]) where kept_logit_rows (plan.h) has no value: the autograd
+// formula calls this op for every per-token loss, and the op decides, once.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_keeping_logits(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,

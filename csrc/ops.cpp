@@ -2,6 +2,7 @@
 // CPU/CUDA kernels are in loss.cpp, the autograd formulas in autograd.cpp.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -98,6 +99,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {s.lse, s.target_gap, s.log_sum, or_empty(s.weighted_z_sum), or_empty(s.entropy), or_empty(s.argmax)};
 }
 
+// fused_ce::_cuda_kernels_embedded: cuda_kernels_embedded (cuda_stages.h) for the fake kernel of
+// _linear_cross_entropy_keeping_logits, whose kept rows (none without the kernels) it sizes; a device without an
+// index is the current one's.
+bool cuda_kernels_embedded_op(at::Device device, at::ScalarType dtype) {
+  if (device.is_cuda() && !device.has_index()) device = c10::impl::getDeviceGuardImpl(device.type())->getDevice();
+  return cuda_kernels_embedded(device, dtype);
+}
+
 // The tensor arguments every loss op begins with.
 #define FUSED_CE_TENSORS \
   "Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None"
@@ -157,6 +166,7 @@ TORCH_LIBRARY(fused_ce, m) {
       "entropy, Tensor argmax)",
       &combine_row_stat_splits_op);
   m.def("_embedded_archs() -> int[]", &embedded_archs);
+  m.def("_cuda_kernels_embedded(Device device, ScalarType dtype) -> bool", &cuda_kernels_embedded_op);
   m.def("_kept_logit_rows_constants() -> int[]", &kept_logit_rows_constants);
   m.def("_kept_logit_rows_of(int rows, int V, int D, int elem, int? workspace_bytes) -> int", &kept_logit_rows_of);
   m.def("_embedded_kernels() -> str[]", &embedded_kernels);

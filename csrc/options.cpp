@@ -69,14 +69,6 @@ void LossOptions::check() {
   }
 }
 
-c10::IValue LossOptions::to_ivalue() const {
-  return apply([](auto... values) { return c10::ivalue::Tuple::create({c10::IValue(values)...}); });
-}
-
-LossOptions LossOptions::from_ivalue(const c10::IValue& value) {
-  return from_ivalues(value.toTupleRef().elements());
-}
-
 LossOptions LossOptions::from_ivalues(c10::ArrayRef<c10::IValue> v) {
   TORCH_CHECK(v.size() == kNumOptions, "fused_ce: ", num(v.size()), " option values, expected ", num(kNumOptions));
   LossOptions raw;

@@ -164,9 +164,6 @@ struct LossOptions {
   static LossOptions parse(FUSED_CE_PARAM_LIST(FUSED_CE_ALL_OPTIONS));
   // Checks every value and sets reduction_kind; errors name the function called (caller) and the argument.
   void check();
-  // Autograd keeps the options as one saved entry.
-  c10::IValue to_ivalue() const;
-  static LossOptions from_ivalue(const c10::IValue& value);
   // From every option's value in schema order (a boxed call's arguments).
   static LossOptions from_ivalues(c10::ArrayRef<c10::IValue> values);
 

@@ -111,11 +111,13 @@ _check_kept_rows()
 
 
 def _kept_logit_rows(input, linear_weight, target, options):
-    """kept_logit_rows (csrc/plan.h) from shapes; the op checks that some are kept."""
+    """kept_logit_rows (csrc/plan.h) from shapes: 0 where none are kept (a scalar loss, a device or dtype without
+    the kernels)."""
+    if options["reduction"] != "none" or not torch.ops.fused_ce._cuda_kernels_embedded(input.device, input.dtype):
+        return 0
     V = options["max_shard_rows"] if options["process_group"] else linear_weight.shape[0]
     rows = _kept_rows(target.numel(), V, input.shape[-1], input.element_size(), options["workspace_bytes"])
-    torch._check(rows >= 0, lambda: "fused_ce::_linear_cross_entropy_keeping_logits: these logits are not kept")
-    return rows
+    return 0 if isinstance(rows, int) and rows < 0 else rows
 
 
 def _grads(input, linear_weight, linear_bias, output_mask):
