@@ -33,7 +33,10 @@ CONFIGS = {
     "gemma2": ("Gemma2Config", dict(final_logit_softcapping=3.0)),  # small cap: its effect is visible
     "gemma3_text": ("Gemma3TextConfig", dict(final_logit_softcapping=3.0)),
     "phi3": ("Phi3Config", dict(pad_token_id=0)),
-    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    "gpt2": (
+        "GPT2Config",
+        dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
 }
 
 
@@ -41,7 +44,8 @@ def tiny_model(family, device="cpu", seed=0):
     config_name, extra = CONFIGS[family]
     config = getattr(transformers, config_name)(**COMMON, **extra)
     torch.manual_seed(seed)
-    return getattr(transformers, FAMILIES[family])(config).to(device).eval()
+    # training mode (without dropout): a patched model in evaluation returns its own logits (apply's `logits`)
+    return getattr(transformers, FAMILIES[family])(config).to(device).train()
 
 
 def batch(device, rows=3, length=12, seed=1):
@@ -193,6 +197,97 @@ def test_trainer_step_runs(tmp_path):
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, model.lm_head.weight)  # tied to the embedding, trained through the loss
+
+
+def test_evaluation_returns_the_models_own_logits_and_loss():
+    ref = tiny_model("llama")
+    ids, labels = batch("cpu")
+    ref.eval()
+    want = ref(input_ids=ids, labels=labels)
+    model = apply(copy.deepcopy(ref), token_accuracy=True)
+    out = model(input_ids=ids, labels=labels)  # not training: the model's own forward
+    torch.testing.assert_close(out.logits, want.logits)
+    torch.testing.assert_close(out.loss, want.loss)
+    model.train()
+    fused = model(input_ids=ids, labels=labels)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, want.loss)
+    torch.testing.assert_close(out.token_accuracy, fused.token_accuracy)  # the same tokens' accuracy either way
+    model.eval()
+    assert model(input_ids=ids, labels=labels, skip_logits=True).logits is None  # transformers' keyword
+    never = apply(copy.deepcopy(ref), logits="never")
+    skipped = never(input_ids=ids, labels=labels)
+    assert skipped.logits is None
+    torch.testing.assert_close(skipped.loss, want.loss)
+    assert never(input_ids=ids, labels=labels, skip_logits=False).logits is not None
+    with pytest.raises(ValueError, match="logits must be one of"):
+        apply(copy.deepcopy(ref), logits="sometimes")
+
+
+def logits_built_by(model):
+    """A list that the lm_head's forward hook fills with the shape of each [B, T, V] output it returns."""
+    shapes = []
+    model.lm_head.register_forward_hook(
+        lambda m, args, out: shapes.append(tuple(out.shape)) if out.dim() == 3 else None
+    )
+    return shapes
+
+
+@pytest.mark.parametrize("token_accuracy", [False, True])
+def test_trainer_evaluate_with_metrics_as_unpatched(tmp_path, token_accuracy):
+    # run_clm's metrics: the argmax of the logits (preprocess_logits_for_metrics), then the accuracy of the shifted
+    # predictions over the counted labels
+    def preprocess_logits_for_metrics(logits, labels):
+        return (logits[0] if isinstance(logits, tuple) else logits).argmax(dim=-1)
+
+    def compute_metrics(eval_preds):
+        preds, labels = eval_preds
+        labels, preds = labels[:, 1:].reshape(-1), preds[:, :-1].reshape(-1)
+        counted = labels != -100
+        return {"accuracy": float((preds[counted] == labels[counted]).mean())}
+
+    ids, labels = batch("cpu", rows=8)
+    data = [dict(input_ids=i, labels=lab) for i, lab in zip(ids, labels)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[],
+                                          use_cpu=True)  # fmt: skip
+
+    def evaluate(model, **metrics):
+        trainer = transformers.Trainer(model=model, args=args, eval_dataset=data, **metrics)
+        return trainer.evaluate()
+
+    ref = tiny_model("llama")
+    metrics = dict(compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+    want = evaluate(copy.deepcopy(ref), **metrics)
+    model = apply(copy.deepcopy(ref), token_accuracy=token_accuracy)
+    built = logits_built_by(model)
+    got = evaluate(model, **metrics)
+    assert got["eval_accuracy"] == want["eval_accuracy"] and 0.0 <= want["eval_accuracy"] <= 1.0
+    torch.testing.assert_close(got["eval_loss"], want["eval_loss"])
+    assert built, "evaluation with metrics built no logits"
+    # prediction_loss_only (no compute_metrics): the fused loss, no logits built
+    built.clear()
+    loss_only = evaluate(model)
+    assert built == []
+    torch.testing.assert_close(loss_only["eval_loss"], want["eval_loss"])
+
+
+def test_trainer_torch_compile_runs_the_patched_model_without_graph_breaks(tmp_path):
+    from torch._dynamo.utils import counters
+
+    ids, labels = batch("cpu", rows=8)
+    data = [dict(input_ids=i, labels=lab) for i, lab in zip(ids, labels)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], save_strategy="no",
+        use_cpu=True, torch_compile=True, torch_compile_backend="aot_eager", logging_steps=1,
+    )  # fmt: skip
+    torch._dynamo.reset()
+    counters.clear()
+    model = apply(tiny_model("llama"))
+    before = model.lm_head.weight.detach().clone()
+    result = transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    assert torch.isfinite(torch.tensor(result.training_loss)) and not torch.equal(before, model.lm_head.weight)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
 
 
 def compiled_graphs(model, dynamic, *args, **kwargs):

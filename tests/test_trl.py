@@ -237,3 +237,116 @@ def test_fp32_head_stays_float32_under_autocast(policy):
     else:
         error = (got.double() - exact).norm() / exact.norm()
         assert error <= 10 * trl_error + 1e-7, (error, trl_error)
+
+
+# DPO, KTO and RLOO: TRL's fused head is fused_ce's for the policy and the reference (mean_logits included).
+PROMPTS = ["the cat", "a dog", "the bird", "on the mat"]
+PAIRS = dict(
+    chosen=[" sat on the mat", " ate the bone", " sang a song", " and the dog"],
+    rejected=[" the the the", " a a a", " bird bird", " mat mat"],
+)
+NOT_COMPARED = ("epoch", "step", "learning_rate", "step_time")  # (and every other timing)
+
+
+def trainer_of(kind, model, tok, tmp_path):
+    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=5e-3,
+                  logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no", bf16=False)  # fmt: skip
+    if kind == "dpo":
+        data = datasets.Dataset.from_dict({"prompt": PROMPTS * 2, **{k: v * 2 for k, v in PAIRS.items()}})
+        return trl.DPOTrainer(model=model, args=trl.DPOConfig(**common), train_dataset=data, processing_class=tok)
+    if kind == "kto":
+        completions = PAIRS["chosen"] + PAIRS["rejected"]
+        data = datasets.Dataset.from_dict(
+            {"prompt": PROMPTS * 2, "completion": completions, "label": [True] * 4 + [False] * 4}
+        )
+        return trl.KTOTrainer(model=model, args=trl.KTOConfig(**common), train_dataset=data, processing_class=tok)
+    data = datasets.Dataset.from_dict({"prompt": PROMPTS * 3})
+    args = trl.RLOOConfig(**common, num_generations=4, max_completion_length=6, beta=0.04)
+    return trl.RLOOTrainer(
+        model=model, reward_funcs=reward_a_letters, args=args, train_dataset=data, processing_class=tok
+    )
+
+
+def train_with(kind, model, tok, tmp_path, fused):
+    """A few steps of TRL's `kind` trainer, TRL's own head or fused_ce's, and the [B, T, V] outputs any lm_head
+    module returned meanwhile, but generation's (none: neither head builds logits)."""
+    calls = {"linear_log_probs": 0}
+    original = fused_trl.linear_log_probs
+
+    def counted(*args, **kwargs):
+        calls["linear_log_probs"] += 1
+        return original(*args, **kwargs)
+
+    if fused:
+        fused_trl.linear_log_probs = counted
+        fused_trl.apply()
+    try:
+        trainer = trainer_of(kind, model, tok, tmp_path)
+        built = []
+        heads = [trainer.model.get_output_embeddings()]
+        if getattr(trainer, "ref_model", None) is not None:
+            heads.append(trainer.ref_model.get_output_embeddings())
+        for head in heads:
+            # (generation's logits, of one position per step, are the model's own)
+            head.register_forward_hook(
+                lambda m, a, out: built.append(out.shape) if out.dim() == 3 and out.shape[1] > 1 else None
+            )
+        trainer.train()
+    finally:
+        if fused:
+            fused_trl.restore()
+            fused_trl.linear_log_probs = original
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    heads = [getattr(trainer.model, "_fused_ce_head", False)]
+    if getattr(trainer, "ref_model", None) is not None:
+        heads.append(getattr(trainer.ref_model, "_fused_ce_head", False))
+    run = Run(
+        [h["loss"] for h in logs],
+        [
+            {k: v for k, v in h.items() if k not in NOT_COMPARED and "time" not in k and isinstance(v, float)}
+            for h in logs
+        ],
+        {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        all(heads),
+    )
+    return run, calls["linear_log_probs"], built
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto", "rloo"])
+def test_preference_and_rloo_trainers_train_as_trl_does(kind, tmp_path):
+    tok = tokenizer()
+    model = tiny_model(tok, tmp_path / "model")
+    reference, _, _ = train_with(kind, model, tok, tmp_path / "trl", fused=False)
+    fused, calls, built = train_with(kind, model, tok, tmp_path / "fused", fused=True)
+    assert calls > 0 and built == []
+    assert any("logits" in k for k in reference.metrics[0]) or kind == "rloo"  # the mean logits are compared
+    assert_same_run(fused, reference)
+
+
+def test_mean_logits_match_trls():
+    from trl.trainer.utils import add_fused_lm_head as trls_head
+
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.05)  # a head whose logits' mean is far from 0
+    reference, fused = copy.deepcopy(model), copy.deepcopy(model)
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    trls_head(reference, temperature=0.7, outputs=outputs)
+    assert fused_trl.add_fused_lm_head(fused, temperature=0.7, outputs=outputs, _original=trls_head)
+    ids = torch.randint(0, 300, (3, 10))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    got = fused(input_ids=ids, labels=labels, fused_lm_head=True)
+    want = reference(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert want.mean_logits.abs().max() > 0.1
+    torch.testing.assert_close(got.mean_logits, want.mean_logits, rtol=1e-5, atol=1e-6)
+    # a softcapped head's mean logits, and DPO's WPO weights, are TRL's own head's
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**config.to_diff_dict(), "head_dim": 8,
+                                                                       "final_logit_softcapping": 3.0}))  # fmt: skip
+    assert not fused_trl.add_fused_lm_head(gemma, outputs=outputs, _original=trls_head)
+    assert not fused_trl.add_fused_lm_head(copy.deepcopy(model), outputs=(*outputs, "log_sum_sq_probs"),
+                                           _original=trls_head)  # fmt: skip

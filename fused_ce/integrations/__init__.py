@@ -1,4 +1,6 @@
 """Integrations with training frameworks, one module each, imported on demand (``import fused_ce`` imports none).
 
 - ``fused_ce.integrations.transformers``: Hugging Face causal LMs in one line (``apply(model)``).
+- ``fused_ce.integrations.trl``: TRL's fused LM head and GRPO's loss (``apply()``).
+- ``fused_ce.integrations.torchtitan``: a loss for torchtitan's config (``FusedCrossEntropyLoss.Config()``).
 """

@@ -9,7 +9,9 @@ by a constant, a tanh softcap, a vocabulary slice, ``.float()``) is recorded, an
 ``self.loss_function(logits, labels, ...)`` is fused_ce's loss of the same meaning (transformers'
 ``ForCausalLMLoss``: shifted labels or ``shift_labels``, ``ignore_index``, ``num_items_in_batch``). Everything
 else is the model's own code: the base model, ``logits_to_keep`` (int or tensor), a MoE router's auxiliary loss
-added to the loss, ``return_dict=False``, the outputs. Only the output's ``logits`` is None.
+added to the loss, ``return_dict=False``, the outputs. Only the output's ``logits`` is None, in training; a model
+that is not training returns its logits with its own loss, as unpatched (``apply(..., logits="never")`` builds none
+there either: see ``apply``).
 
 The loss is computed inside the head module's own call (``lm_head(hidden, _fused_ce_loss=...)``), so an engine
 that manages its weight (FSDP2 however it wraps, DeepSpeed ZeRO-3, DDP) gathers, reshards and reduces it as for
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from ..functional import linear_cross_entropy
+from ._head import _LOSS_KEYWORD, _HeadForward, _route_through  # noqa: F401  (_HeadForward: pickles by this name)
 
 # Names for apply("llama") etc.: any causal LM class works, these are shortcuts.
 FAMILIES = {
@@ -203,37 +206,6 @@ def _lora_weight(head):
         a, b = head.lora_A[adapter].weight, head.lora_B[adapter].weight
         weight = weight + head.scaling[adapter] * (b @ a).to(weight.dtype)
     return weight, bias
-
-
-# The head is called through its module (hooks and all) with this keyword: FSDP2 (root, per layer, or the head
-# apart), DeepSpeed ZeRO-3 and DDP gather, reshard and reduce its weight as for its own forward.
-_LOSS_KEYWORD = "_fused_ce_loss"
-
-
-class _HeadForward:
-    """The forward of a head switched to fused_ce (its instance attribute ``forward``): the head's own without the
-    keyword, else the loss the keyword holds (called with the head, whose weight its engine has gathered now, and
-    the head's input). An object rather than a bound method: it pickles and deep-copies with its head, and
-    torch.compile traces its creation where a head is first met inside a compiled forward."""
-
-    def __init__(self, head, own):
-        self.head = head
-        self.own = own  # an instance forward the head had (an engine's wrapper), else None: its class's
-
-    def __call__(self, input, **kwargs):
-        loss = kwargs.pop(_LOSS_KEYWORD, None)
-        if loss is not None:
-            return loss(self.head, input)
-        if self.own is not None:
-            return self.own(input, **kwargs)
-        return type(self.head).forward(self.head, input, **kwargs)
-
-
-def _route_through(head):
-    """Give the head the forward above (once; its class untouched)."""
-    if not isinstance(head.__dict__.get("forward"), _HeadForward):
-        head.forward = _HeadForward(head, head.__dict__.get("forward"))
-    return head
 
 
 # The rewritten forward calls these (the names the rewriter gives them).
@@ -584,11 +556,17 @@ def _fused_forward(cls):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        skip_logits = kwargs.pop("skip_logits", None)
         labels = kwargs.get("labels")
         if labels is None and "labels" in names[: len(args)]:
             labels = args[names.index("labels")]
         if labels is None and kwargs.get("shift_labels") is None:
             return original(self, *args, **kwargs)
+        if _builds_logits(self, skip_logits):  # evaluation: the model's own forward, its logits and its loss
+            out = original(self, *args, **kwargs)
+            if getattr(self, _ASKS_ACCURACY, False) and not isinstance(out, tuple):
+                out["token_accuracy"] = _token_accuracy(out.logits, labels, kwargs.get("shift_labels"))
+            return out
         if "return_dict" in names[: len(args)]:
             args = list(args)
             as_tuple, args[names.index("return_dict")] = _returns_tuple(self, args[names.index("return_dict")]), True
@@ -613,6 +591,24 @@ def _fused_forward(cls):
     forward._fused_ce_original = original
     forward._fused_ce_head = head
     return forward
+
+
+def _builds_logits(model, skip_logits):
+    """Whether a call with labels builds its logits (apply's ``logits``): in evaluation, unless skipped."""
+    if skip_logits is not None:
+        return not skip_logits
+    return getattr(model, _LOGITS_POLICY, "eval") == "eval" and not model.training
+
+
+def _token_accuracy(logits, labels, shift_labels=None, ignore_index=-100):
+    """The fraction of counted tokens whose label is the most likely one, from built logits (as the loss's own
+    pass gives it in training)."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.to(logits.device)
+    counted = target != ignore_index
+    hits = (logits.argmax(-1) == target) & counted
+    return hits.sum().float() / counted.sum().clamp(min=1).float()
 
 
 class _ModelForward:
@@ -688,9 +684,12 @@ def _check_head_construction(cls, head):
 # second while it runs, into which the loss puts the call's token accuracy.
 _ASKS_ACCURACY = "_fused_ce_token_accuracy"
 _ACCURACY_ATTRIBUTE = "_fused_ce_token_accuracies"
+# apply(logits=...) on the model (or class): "eval" or "never"
+_LOGITS_POLICY = "_fused_ce_logits"
+LOGITS_POLICIES = ("eval", "never")
 
 
-def apply(model, *, token_accuracy=False):
+def apply(model, *, token_accuracy=False, logits="eval"):
     """Switch a causal LM to fused_ce's loss, in place, and return it.
 
     ``model``: an instance (only it is switched), a class (every instance), or a family name from ``FAMILIES``;
@@ -698,16 +697,28 @@ def apply(model, *, token_accuracy=False):
     ``token_accuracy``: a call with labels also returns ``outputs.token_accuracy``, the fraction of counted
     tokens whose label is the most likely token (what trainers log as ``mean_token_accuracy``; float32, on the
     device, from the loss's own pass: the logits are still never built). Per call, so per rank and micro-batch.
+    ``logits``: what a call with labels returns as ``outputs.logits``. Training never builds them. "eval" (the
+    default): a model that is not training (``model.eval()``: evaluation, ``Trainer.evaluate`` and its
+    ``compute_metrics``) runs its own forward and returns its logits and its own loss, as unpatched; "never": the
+    fused loss and no logits in evaluation too (``logits`` None). A call's ``skip_logits=True`` (transformers'
+    keyword; the Trainer passes it for a ``prediction_loss_only`` evaluation, see ``_install_trainer_hook``) builds
+    none, ``skip_logits=False`` builds them.
     Raises ``Refused`` (a TypeError) naming what the model's forward does that fused_ce cannot reproduce.
     """
+    if logits not in LOGITS_POLICIES:
+        raise ValueError(
+            f"fused_ce.integrations.transformers.apply: logits must be one of {LOGITS_POLICIES}, got {logits!r}"
+        )
     if isinstance(model, str):
         model = _model_class(model)
     base = _unwrapped(model)
     if base is not model:  # a PEFT model: its causal LM is switched (LoRA on the lm_head too)
-        apply(base, token_accuracy=token_accuracy)
+        apply(base, token_accuracy=token_accuracy, logits=logits)
         return model
     head = check(model)
+    _install_trainer_hook()
     setattr(model, _ASKS_ACCURACY, bool(token_accuracy))
+    setattr(model, _LOGITS_POLICY, logits)
     cls = model if isinstance(model, type) else type(model)
     if not isinstance(model, type):
         # now, not at the first call: a forward compiled before any eager call then finds the head switched
@@ -720,3 +731,30 @@ def apply(model, *, token_accuracy=False):
     else:
         model.forward = _ModelForward(model)
     return model
+
+
+def _is_switched(model):
+    model = _unwrapped(model)
+    return getattr(getattr(model, "forward", None), "_fused_ce_original", None) is not None
+
+
+def _install_trainer_hook():
+    """transformers' Trainer asks a fused head for no logits in a loss-only evaluation (``prediction_loss_only``:
+    no ``compute_metrics``) with ``skip_logits=True``, but only for Liger's; its ``prediction_step`` passes it to a
+    model switched to fused_ce too (once; other models' calls unchanged)."""
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return
+    if hasattr(Trainer.prediction_step, "_fused_ce_original"):
+        return
+    original = Trainer.prediction_step
+
+    @functools.wraps(original)
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if prediction_loss_only and not self.args.use_liger_kernel and _is_switched(self.model):
+            inputs = {**inputs, "skip_logits": True}
+        return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    prediction_step._fused_ce_original = original
+    Trainer.prediction_step = prediction_step

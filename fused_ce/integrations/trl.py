@@ -5,11 +5,13 @@
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)
 
 TRL (1.15 and later) computes every trainer's per-token log-probs with a fused LM head
-(``trl.trainer.utils.add_fused_lm_head``: the model called with ``fused_lm_head=True`` returns log-probs, entropies
-and top-1 flags instead of logits). ``apply()`` makes that head fused_ce's ``linear_log_probs`` (the old and reference
-policies without grad, the policy's with it: 8NDV, the logits recomputed in the backward), for every trainer that
-uses it (GRPO, RLOO, KTO, SFT's). It also replaces GRPOTrainer's loss by ``fused_ce.linear_policy_loss`` (the
-gradients formed in the forward: 6NDV) where the configuration maps onto it:
+(``trl.trainer.utils.add_fused_lm_head``: the model called with ``fused_lm_head=True`` returns log-probs, entropies,
+top-1 flags and mean logits instead of logits). ``apply()`` makes that head fused_ce's ``linear_log_probs`` (the old
+and reference policies without grad, the policy's with it: 8NDV, the logits recomputed in the backward), for every
+trainer that uses it (GRPO, RLOO, DPO's policy and reference, KTO, SFT's). TRL's own head stays where fused_ce lacks
+an output: DPO's WPO weights (``use_weighting``: ``log_sum_sq_probs``) and the mean logits of a softcapped head.
+It also replaces GRPOTrainer's loss by ``fused_ce.linear_policy_loss`` (the gradients formed in the forward: 6NDV)
+where the configuration maps onto it:
 
 - ``loss_type`` "grpo", "bnpo", "dr_grpo" or "dapo" (PPO-clip with two-sided bounds ``epsilon``/``epsilon_high``;
   each normalisation is a token weight), ``beta`` for the k3 KL against the reference's log-probs (times the ratio
@@ -32,7 +34,7 @@ import torch
 
 from ..functional import linear_log_probs, linear_policy_loss
 
-_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # of TRL's FusedCausalLMOutput, what fused_ce computes
+_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits")  # of TRL's FusedCausalLMOutput, fused_ce's
 _MAPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -49,13 +51,29 @@ def _head_scales(config):
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else scale
 
 
+def _mean_logits(hidden, weight, bias, scale):
+    """Each row's mean over the vocabulary of ``scale * (hidden @ W.T + b)``, without gradient, in float32:
+    ``scale * (hidden @ mean_v W + mean_v b)``, the mean of the logits without them (an N x D product; exact for a
+    head without a softcap, which is not linear)."""
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        out = hidden.detach().float() @ weight.detach().mean(0, dtype=torch.float32)
+        if bias is not None:
+            out = out + bias.detach().float().mean()
+        return out * scale
+
+
 def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",), _original=None):
     """TRL's ``add_fused_lm_head`` with fused_ce computing the head: the same ``FusedCausalLMOutput``. TRL's original
-    does it for outputs fused_ce has not (``log_sum_sq_probs``, ``mean_logits``) and under DeepSpeed ZeRO-3.
-    Whether fused_ce's head was added."""
+    does it for what fused_ce has not (``log_sum_sq_probs``, DPO's WPO weights; ``mean_logits`` of a softcapped
+    head) and under DeepSpeed ZeRO-3. Whether fused_ce's head was added."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    if any(name not in _FUSED_OUTPUTS for name in outputs) or is_deepspeed_zero3_enabled():
+    softcap, logit_scale = _head_scales(model.config)
+    if (
+        any(name not in _FUSED_OUTPUTS for name in outputs)
+        or ("mean_logits" in outputs and softcap is not None)
+        or is_deepspeed_zero3_enabled()
+    ):
         # ZeRO-3 re-partitions the head between forward and backward, where linear_log_probs recomputes it
         _original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
         return False
@@ -64,7 +82,6 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
 
     original_forward = model.forward
     text_config = model.config.get_text_config()
-    softcap, logit_scale = _head_scales(model.config)
     # before transformers 5, vision-language models expose their language backbone as `model` (as TRL reads it)
     old_vlm = text_config is not model.config and int(__import__("transformers").__version__.split(".")[0]) < 5
     backbone_name = "model" if old_vlm else "base_model"
@@ -122,6 +139,9 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
         log_probs = out if torch.is_tensor(out) else out.log_probs
         entropy = None if torch.is_tensor(out) else out.entropy
         is_top1 = None if torch.is_tensor(out) or out.argmax is None else (out.argmax == labels) & mask
+        mean_logits = None
+        if "mean_logits" in outputs:  # (TRL's is of the tempered logits, 0 at ignored rows)
+            mean_logits = _mean_logits(hidden, weight, bias, logit_scale / temperature).masked_fill(~mask, 0.0)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None
         if kwargs.get("output_router_logits"):
@@ -133,8 +153,9 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
             )
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
         return FusedCausalLMOutput(
-            loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss
-        )
+            loss=loss, log_probs=log_probs, entropy=entropy, mean_logits=mean_logits, is_top1=is_top1, label_mask=mask,
+            aux_loss=aux_loss,
+        )  # fmt: skip
 
     model.forward = types.MethodType(forward, model)
     return True
