@@ -8,8 +8,9 @@ TRL (1.15 and later) computes every trainer's per-token log-probs with a fused L
 (``trl.trainer.utils.add_fused_lm_head``: the model called with ``fused_lm_head=True`` returns log-probs, entropies,
 top-1 flags and mean logits instead of logits). ``apply()`` makes that head fused_ce's ``linear_log_probs`` (the old
 and reference policies without grad, the policy's with it: 8NDV, the logits recomputed in the backward), for every
-trainer that uses it (GRPO, RLOO, DPO's policy and reference, KTO, SFT's). TRL's own head stays where fused_ce lacks
-an output: DPO's WPO weights (``use_weighting``: ``log_sum_sq_probs``) and the mean logits of a softcapped head.
+trainer that uses it (GRPO, RLOO, DPO's policy and reference, KTO, SFT's), every field of TRL's contract included
+(DPO's WPO weights, ``log_sum_sq_probs``: one more forward without grad); TRL's own head stays for the mean logits
+and WPO weights of a softcapped head.
 It also replaces GRPOTrainer's loss by ``fused_ce.linear_policy_loss`` (the gradients formed in the forward: 6NDV)
 where the configuration maps onto it:
 
@@ -32,9 +33,11 @@ import types
 
 import torch
 
-from ..functional import linear_log_probs, linear_policy_loss
+from ..functional import linear_cross_entropy, linear_log_probs, linear_policy_loss
 
-_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits")  # of TRL's FusedCausalLMOutput, fused_ce's
+# TRL's FusedCausalLMOutput fields; the last two are linear in the logits' scale (not under a softcap)
+_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
+_UNCAPPED_OUTPUTS = ("mean_logits", "log_sum_sq_probs")
 _MAPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -62,16 +65,35 @@ def _mean_logits(hidden, weight, bias, scale):
         return out * scale
 
 
+def _log_sum_sq_probs(hidden, weight, bias, labels, log_probs, scale):
+    """``log sum_v p_v^2`` of each row's ``softmax(scale * z)``, without gradient: ``LSE(2 scale z) - 2 LSE(scale z)``,
+    the first the lse of one more forward of the op at twice the scale (2NDV, no logits), the second the label's
+    logit less its log-prob (an N x D product)."""
+    with torch.no_grad():
+        flat, target = hidden.detach().reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        _, lse_doubled = linear_cross_entropy(
+            flat, weight.detach(), target, linear_bias=None if bias is None else bias.detach(), reduction="none",
+            logit_scale=2.0 * scale, return_lse=True,
+        )  # fmt: skip
+        with torch.autocast(hidden.device.type, enabled=False):
+            rows = target.clamp(min=0)
+            label_logit = (flat.float() * weight.detach()[rows].float()).sum(-1)
+            if bias is not None:
+                label_logit = label_logit + bias.detach()[rows].float()
+            lse = scale * label_logit - log_probs.detach().reshape(-1).float()
+        return (lse_doubled - 2.0 * lse).view(labels.shape)
+
+
 def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",), _original=None):
     """TRL's ``add_fused_lm_head`` with fused_ce computing the head: the same ``FusedCausalLMOutput``. TRL's original
-    does it for what fused_ce has not (``log_sum_sq_probs``, DPO's WPO weights; ``mean_logits`` of a softcapped
-    head) and under DeepSpeed ZeRO-3. Whether fused_ce's head was added."""
+    does it for what fused_ce has not (``mean_logits`` and ``log_sum_sq_probs`` of a softcapped head) and under
+    DeepSpeed ZeRO-3. Whether fused_ce's head was added."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     softcap, logit_scale = _head_scales(model.config)
     if (
         any(name not in _FUSED_OUTPUTS for name in outputs)
-        or ("mean_logits" in outputs and softcap is not None)
+        or (softcap is not None and any(name in _UNCAPPED_OUTPUTS for name in outputs))
         or is_deepspeed_zero3_enabled()
     ):
         # ZeRO-3 re-partitions the head between forward and backward, where linear_log_probs recomputes it
@@ -142,6 +164,11 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
         mean_logits = None
         if "mean_logits" in outputs:  # (TRL's is of the tempered logits, 0 at ignored rows)
             mean_logits = _mean_logits(hidden, weight, bias, logit_scale / temperature).masked_fill(~mask, 0.0)
+        log_sum_sq_probs = None
+        if "log_sum_sq_probs" in outputs:  # (DPO's WPO weights)
+            with head_precision:
+                log_sum_sq_probs = _log_sum_sq_probs(hidden, weight, bias, labels, log_probs, logit_scale / temperature)
+            log_sum_sq_probs = log_sum_sq_probs.masked_fill(~mask, 0.0)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None
         if kwargs.get("output_router_logits"):
@@ -153,8 +180,8 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
             )
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
         return FusedCausalLMOutput(
-            loss=loss, log_probs=log_probs, entropy=entropy, mean_logits=mean_logits, is_top1=is_top1, label_mask=mask,
-            aux_loss=aux_loss,
+            loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits,
+            is_top1=is_top1, label_mask=mask, aux_loss=aux_loss,
         )  # fmt: skip
 
     model.forward = types.MethodType(forward, model)

@@ -1,0 +1,220 @@
+"""End to end: training steps of a Llama-3.2-1B-shaped model with transformers' loss, Liger's and fused_ce's.
+
+The model: 16 layers of width 2048 (intermediate 8192, 32 heads of 64, 8 KV heads), the 128,256-token vocabulary,
+tied embeddings, random init, bfloat16 weights, AdamW, SDPA attention. Each setting runs in a process of its own
+(the patches and the allocator's state stay apart), one after another in the order given, so that the methods
+are side by side in one run:
+
+- ``transformers``: the model as it comes (its logits built, ``F.cross_entropy``);
+- ``liger``: Liger-Kernel's patch with its fused linear cross-entropy only (``apply_liger_kernel_to_llama`` with
+  every other kernel off: the head is what differs);
+- ``fused_ce``: ``fused_ce.integrations.transformers.apply(model)``;
+
+each ``eager`` and ``compiled`` (``torch.compile(model)``, as the Trainer's ``torch_compile=True``: graph breaks
+allowed; ``compiled_backbone``: the decoder alone, the head and loss eager), with every token counted (``full``)
+and with the first half of every sequence a masked prompt (``half``). Tokens/s counts every input token; the peak
+is ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and AdamW's state included);
+``--find-max-batch`` doubles the batch until a step runs out of memory and reports the largest that ran, eager only
+(a compiled model recompiles at each batch).
+
+    python benchmarks/bench_e2e.py [--methods transformers,liger,fused_ce] [--modes eager,compiled]
+        [--masks full,half] [--batch 4] [--seq 4096] [--steps 4] [--find-max-batch]
+
+Prints a table and writes bench_e2e{tag}.json / .png to --out.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_3_2_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+TINY = dict(LLAMA_3_2_1B, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+
+
+def build(method, tiny, device):
+    import transformers
+
+    config = transformers.LlamaConfig(**(TINY if tiny else LLAMA_3_2_1B), attn_implementation="sdpa")
+    if method == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    if method == "fused_ce":
+        from fused_ce.integrations.transformers import apply
+
+        apply(model)
+    return model.train()
+
+
+def batch_of(batch, seq, vocab, mask, device, seed=1):
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=g)
+    labels = ids.clone()
+    if mask == "half":
+        labels[:, : seq // 2] = -100
+    return ids, labels
+
+
+def run_one(setting, args):
+    """One setting in this process: {tokens_per_s, peak_gib, loss, ...} (or an error), as a JSON line."""
+    method, mode, mask = setting.split("/")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build(method, args.tiny, device)
+    step_model = model
+    if mode == "compiled":
+        step_model = torch.compile(model)
+    elif mode == "compiled_backbone":  # the decoder compiled, the head and its loss eager (where the time goes)
+        model.model = torch.compile(model.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    vocab = model.config.vocab_size
+
+    def step(ids, labels):
+        loss = step_model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def timed(batch, steps, warmup):
+        ids, labels = batch_of(batch, args.seq, vocab, mask, device)
+        for _ in range(warmup):
+            step(ids, labels)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = step(ids, labels)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / steps
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+        return dict(tokens_per_s=batch * args.seq / seconds, ms_per_step=seconds * 1e3, peak_gib=peak,
+                    loss=float(loss))  # fmt: skip
+
+    result = dict(setting=setting, batch=args.batch, **timed(args.batch, args.steps, args.warmup))
+    if args.find_max_batch and mode == "eager" and device == "cuda":
+        largest, batch = args.batch, args.batch * 2
+        while batch <= args.max_batch:
+            try:
+                timed(batch, 1, 1)
+                largest, batch = batch, batch * 2
+            except torch.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                break
+        result["largest_batch"] = largest
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="transformers,liger,fused_ce")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--masks", default="full,half")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="steps before timing (a compiled model compiles here)")
+    parser.add_argument("--find-max-batch", action="store_true")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model (to check the script, e.g. on CPU)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per setting")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if args.one:
+        return run_one(args.one, args)
+
+    settings = [f"{m}/{mode}/{mask}" for mask in args.masks.split(",") for mode in args.modes.split(",")
+                for m in args.methods.split(",")]  # fmt: skip
+    forwarded = [f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--batch={args.batch}",
+                 f"--max-batch={args.max_batch}", *(["--tiny"] if args.tiny else []),
+                 *(["--find-max-batch"] if args.find_max_batch else [])]  # fmt: skip
+    results = []
+    for setting in settings:
+        command = [sys.executable, __file__, *forwarded, "--one", setting]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if lines:
+                results.append(json.loads(lines[-1][len("RESULT ") :]))
+            else:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                results.append(dict(setting=setting, error=tail[0][:200]))
+        except subprocess.TimeoutExpired:
+            results.append(dict(setting=setting, error=f"over {args.timeout} s"))
+        print(json.dumps(results[-1]), flush=True)
+
+    print()
+    print("| method | mode | labels | batch x seq | tokens/s | ms/step | peak GiB | largest batch | loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        method, mode, mask = r["setting"].split("/")
+        labels = "every token" if mask == "full" else "half masked"
+        if "error" in r:
+            print(f"| {method} | {mode} | {labels} | {args.batch} x {args.seq} | {r['error']} | | | | |")
+            continue
+        largest = r.get("largest_batch", "")
+        print(f"| {method} | {mode} | {labels} | {r['batch']} x {args.seq} | {r['tokens_per_s']:,.0f} | "
+              f"{r['ms_per_step']:.0f} | {r['peak_gib']:.1f} | {largest} | {r['loss']:.4f} |")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    environment = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                       device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
+    (out / f"bench_e2e{args.tag}.json").write_text(json.dumps(dict(environment=environment, args=vars(args),
+                                                                   results=results), indent=1))  # fmt: skip
+    plot(results, out / f"bench_e2e{args.tag}.png", args)
+
+
+def plot(results, path, args):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    done = [r for r in results if "error" not in r]
+    if not done:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["setting"].replace("/", "\n") for r in done]
+    colors = [{"transformers": "tab:gray", "liger": "tab:orange", "fused_ce": "tab:blue"}.get(
+        r["setting"].split("/")[0], "tab:green") for r in done]  # fmt: skip
+    axes[0].bar(range(len(done)), [r["tokens_per_s"] for r in done], color=colors)
+    axes[0].set_ylabel("tokens/s")
+    axes[1].bar(range(len(done)), [r["peak_gib"] for r in done], color=colors)
+    axes[1].set_ylabel("peak GiB")
+    for ax in axes:
+        ax.set_xticks(range(len(done)), names, fontsize=6)
+    fig.suptitle(f"Llama-3.2-1B shape, batch {args.batch} x {args.seq}, bf16, AdamW")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
