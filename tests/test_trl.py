@@ -239,7 +239,7 @@ def test_fp32_head_stays_float32_under_autocast(policy):
         assert error <= 10 * trl_error + 1e-7, (error, trl_error)
 
 
-# DPO, KTO and RLOO: TRL's fused head is fused_ce's for the policy and the reference (mean_logits included).
+# SFT, DPO, KTO and RLOO: TRL's fused head is fused_ce's for the policy and the reference (every output).
 PROMPTS = ["the cat", "a dog", "the bird", "on the mat"]
 PAIRS = dict(
     chosen=[" sat on the mat", " ate the bone", " sang a song", " and the dog"],
@@ -261,6 +261,9 @@ def trainer_of(kind, model, tok, tmp_path):
             {"prompt": PROMPTS * 2, "completion": completions, "label": [True] * 4 + [False] * 4}
         )
         return trl.KTOTrainer(model=model, args=trl.KTOConfig(**common), train_dataset=data, processing_class=tok)
+    if kind == "sft":  # prompt-completion: the loss on the completions only
+        data = datasets.Dataset.from_dict({"prompt": PROMPTS * 2, "completion": PAIRS["chosen"] * 2})
+        return trl.SFTTrainer(model=model, args=trl.SFTConfig(**common), train_dataset=data, processing_class=tok)
     data = datasets.Dataset.from_dict({"prompt": PROMPTS * 3})
     args = trl.RLOOConfig(**common, num_generations=4, max_completion_length=6, beta=0.04)
     return trl.RLOOTrainer(
@@ -313,14 +316,14 @@ def train_with(kind, model, tok, tmp_path, fused):
     return run, calls["linear_log_probs"], built
 
 
-@pytest.mark.parametrize("kind", ["dpo", "dpo-wpo", "kto", "rloo"])
-def test_preference_and_rloo_trainers_train_as_trl_does(kind, tmp_path):
+@pytest.mark.parametrize("kind", ["sft", "dpo", "dpo-wpo", "kto", "rloo"])
+def test_sft_preference_and_rloo_trainers_train_as_trl_does(kind, tmp_path):
     tok = tokenizer()
     model = tiny_model(tok, tmp_path / "model")
     reference, _, _ = train_with(kind, model, tok, tmp_path / "trl", fused=False)
     fused, calls, built = train_with(kind, model, tok, tmp_path / "fused", fused=True)
     assert calls > 0 and built == []
-    assert any("logits" in k for k in reference.metrics[0]) or kind == "rloo"  # the mean logits are compared
+    assert any("logits" in k for k in reference.metrics[0]) or kind in ("sft", "rloo")  # (mean logits compared)
     assert_same_run(fused, reference, parameters=False)
     for name, want in reference.parameters.items():  # float32's rounding, as Adam's steps carry it (by norm)
         error = ((fused.parameters[name] - want).norm() / want.norm()).item()
