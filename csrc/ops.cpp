@@ -13,6 +13,7 @@
 #include "aten_stages.h"
 #include "autograd.h"
 #include "cuda_stages.h"
+#include "distillation.h"
 #include "format.h"
 #include "kernel_table.h"
 #include "loss.h"
@@ -20,6 +21,15 @@
 
 namespace fused_ce {
 namespace {
+
+// The arguments autocast casts: each linear map's (the student's and, for distillation, the teacher's).
+bool linear_operand(const std::string& name) {
+  for (const char* operand :
+       {"input", "linear_weight", "linear_bias", "teacher_input", "teacher_weight", "teacher_bias"}) {
+    if (name == operand) return true;
+  }
+  return false;
+}
 
 // Autocast, one boxed kernel for every op: like F.linear, the linear's operands (the arguments input,
 // linear_weight and linear_bias) in the autocast dtype; the rest (targets, class weights, per-token inputs) as
@@ -33,7 +43,7 @@ void autocast_linear_operands(const c10::OperatorHandle& op, torch::jit::Stack* 
   for (size_t i = 0; i < arguments.size(); ++i) {
     const std::string& name = arguments[i].name();
     c10::IValue& value = (*stack)[first + i];
-    if ((name == "input" || name == "linear_weight" || name == "linear_bias") && value.isTensor())
+    if (linear_operand(name) && value.isTensor())
       value = at::autocast::cached_cast(dtype, value.toTensor(), device_type);
   }
   op.callBoxed(stack);
@@ -158,6 +168,12 @@ TORCH_LIBRARY(fused_ce, m) {
       "bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_POLICY_OPTIONS)
           FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor loss, Tensor stats, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def("linear_distillation_loss(" FUSED_CE_DISTILLATION_TENSORS("=None")
+            FUSED_CE_SCHEMA(FUSED_CE_DISTILLATION_OPTIONS) ") -> (Tensor loss, Tensor entropy)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("_linear_distillation_with_grad(" FUSED_CE_DISTILLATION_TENSORS("") ", Tensor? row_scale, bool[3] output_mask"
+            FUSED_CE_SCHEMA(FUSED_CE_DISTILLATION_OPTIONS) ") -> (Tensor loss, Tensor entropy, Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
   m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&plan_of>());
   m.def(
@@ -186,11 +202,14 @@ void register_kernels(torch::Library& m) {
   m.impl("_linear_cross_entropy", &linear_cross_entropy_all);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
+  m.impl("linear_distillation_loss", &linear_distillation_loss);
+  m.impl("_linear_distillation_with_grad", &linear_distillation_with_grad);
 }
 
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
 void register_autocast(torch::Library& m) {
-  for (const char* op : {"linear_cross_entropy", "_linear_cross_entropy", "linear_policy_loss"}) {
+  for (const char* op :
+       {"linear_cross_entropy", "_linear_cross_entropy", "linear_policy_loss", "linear_distillation_loss"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&autocast_linear_operands<device_type, autocast_key>>());
   }
 }
@@ -213,6 +232,7 @@ TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
   m.impl("linear_policy_loss", &linear_policy_loss_autograd);
   m.impl("linear_cross_entropy", &public_loss<&linear_cross_entropy_all_autograd>);
   m.impl("_linear_cross_entropy", &linear_cross_entropy_all_autograd);
+  m.impl("linear_distillation_loss", &linear_distillation_loss_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fused_ce, AutocastCUDA, m) {

@@ -4,8 +4,8 @@
 // Each option is declared once, FUSED_CE_OPTION_<name>: X(C++ parameter type, name, schema type, default), the
 // default written once for both the schema and C++ (None, True and False are C++ names too, below); each op's
 // list names its options in its schema's order. From them come the schema text of every op (ops.cpp), the C++
-// parameters and arguments of the ops' functions (FUSED_CE_PARAMS / _ARGS), LossOptions' fields, its IValue
-// round trip (what autograd saves), the autograd function's argument count, and the Python front's arguments
+// parameters and arguments of the ops' functions (FUSED_CE_PARAMS / _ARGS), LossOptions' fields, its parse from
+// a boxed call's values (_plan's), and the Python front's arguments
 // (fused_ce/functional.py builds them from the op's schema and fails at import when a keyword of its own names
 // no option of it).
 //
@@ -63,6 +63,10 @@
 #define FUSED_CE_OPTION_kl_times_ratio(X) X(bool, kl_times_ratio, "bool", False)
 #define FUSED_CE_OPTION_entropy_coef(X) X(double, entropy_coef, "float", 0.0)
 #define FUSED_CE_OPTION_return_stats(X) X(bool, return_stats, "bool", False)
+#define FUSED_CE_OPTION_beta(X) X(double, beta, "float", 0.0)
+#define FUSED_CE_OPTION_hard_label_weight(X) X(double, hard_label_weight, "float", 0.0)
+#define FUSED_CE_OPTION_teacher_softcap(X) X(std::optional<double>, teacher_softcap, "float?", None)
+#define FUSED_CE_OPTION_teacher_logit_scale(X) X(double, teacher_logit_scale, "float", 1.0)
 
 // The lists: which options an op takes, in its schema's order (a schema's order is kept: saved graphs pass
 // options by position).
@@ -94,6 +98,13 @@
       FUSED_CE_OPTION_kl_times_ratio(X) FUSED_CE_OPTION_entropy_coef(X) FUSED_CE_OPTION_temperature(X) \
           FUSED_CE_OPTION_softcap(X) FUSED_CE_OPTION_logit_scale(X) FUSED_CE_OPTION_ignore_index(X)    \
               FUSED_CE_OPTION_return_stats(X) FUSED_CE_OPTION_workspace_bytes(X)
+
+// The options of linear_distillation_loss (distillation.h), the shard options included.
+#define FUSED_CE_DISTILLATION_OPTIONS(X)                                                                           \
+  FUSED_CE_OPTION_beta(X) FUSED_CE_OPTION_temperature(X) FUSED_CE_OPTION_hard_label_weight(X)                      \
+      FUSED_CE_OPTION_ignore_index(X) FUSED_CE_OPTION_reduction(X) FUSED_CE_OPTION_softcap(X)                      \
+          FUSED_CE_OPTION_logit_scale(X) FUSED_CE_OPTION_teacher_softcap(X) FUSED_CE_OPTION_teacher_logit_scale(X) \
+              FUSED_CE_OPTION_return_entropy(X) FUSED_CE_OPTION_workspace_bytes(X) FUSED_CE_SHARD_OPTIONS(X)
 
 // Every option, in the internal ops' order.
 #define FUSED_CE_ALL_OPTIONS(X) \

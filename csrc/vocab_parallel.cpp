@@ -6,7 +6,6 @@
 #include <vector>
 
 namespace fused_ce {
-namespace {
 
 // _c10d_functional::all_reduce_ and wait_tensor, boxed: their C++ signatures
 // differ across torch versions, their schemas do not.
@@ -20,8 +19,6 @@ void all_reduce_(const at::Tensor& t, const char* reduce_op, const std::string& 
   stack = {t};
   wait.callBoxed(&stack);
 }
-
-}  // namespace
 
 void combine_vocab_shards(const Problem& shard, const RowStats& s, const LossOptions& o) {
   if (shard.N == 0) return;  // the same tokens on every rank: all return here

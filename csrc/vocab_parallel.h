@@ -8,10 +8,15 @@
 // Python front (fused_ce/distributed.py) sums it over the group.
 #pragma once
 
+#include <string>
+
 #include "options.h"
 #include "problem.h"
 
 namespace fused_ce {
+
+// t reduced in place over the ranks of the process group named `group` ("sum", "max", "min").
+void all_reduce_(const at::Tensor& t, const char* reduce_op, const std::string& group);
 
 // `s` holds the row stats of the rows of `shard` over its classes (views may be
 // written); afterwards it holds them over the whole vocabulary, the same on

@@ -37,6 +37,7 @@ from .functional import (  # noqa: E402
     Plan,
     PolicyStats,
     linear_cross_entropy,
+    linear_distillation_loss,
     linear_log_probs,
     linear_policy_loss,
     plan,
@@ -45,6 +46,7 @@ from .modules import LinearCrossEntropyLoss  # noqa: E402
 
 __all__ = [
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "linear_log_probs",
     "LogProbs",
     "linear_policy_loss",

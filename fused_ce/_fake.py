@@ -184,3 +184,36 @@ def _linear_policy_loss_with_grad_fake(*args, **kwargs):
     if a["input"].dtype == torch.float16:  # float32 until the backward scales them (csrc/loss.h)
         grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
     return (*_policy_outputs(a), *grads)
+
+
+def _distillation_outputs(a):
+    """linear_distillation_loss's (loss, entropy) from its arguments by name: a float32 scalar, or the rows'
+    ('none'); the entropy the rows' where asked for, else empty."""
+    input, linear_weight, teacher_input = a["input"], a["linear_weight"], a["teacher_input"]
+    caller = "linear_distillation_loss"
+    torch._check(linear_weight.dim() == 2, lambda: f"{caller}: linear_weight must be 2-D [V, D]")
+    torch._check(
+        linear_weight.shape[1] == input.shape[-1],
+        lambda: f"{caller}: linear_weight has {linear_weight.shape[1]} features but input has {input.shape[-1]}",
+    )
+    if teacher_input is not None:
+        torch._check(a["teacher_weight"] is not None and a["teacher_weight"].shape[0] == linear_weight.shape[0],
+                     lambda: f"{caller}: teacher_weight and linear_weight must share the vocabulary")  # fmt: skip
+        torch._check(teacher_input.shape[:-1] == input.shape[:-1],
+                     lambda: f"{caller}: teacher_input's rows differ from input's")  # fmt: skip
+    tensors = ("linear_weight", "teacher_input", "teacher_weight", "target", "linear_bias", "teacher_bias",
+               "teacher_top_indices", "teacher_top_log_probs")  # fmt: skip
+    _check_devices(caller, input, **{n: a[n] for n in tensors})
+    loss = input.new_empty(input.shape[:-1] if a["reduction"] == "none" else (), dtype=_loss_dtype(input))
+    return loss, loss.new_empty(input.shape[:-1] if a["return_entropy"] else (0,))
+
+
+@torch.library.register_fake("fused_ce::linear_distillation_loss")
+def _linear_distillation_loss_fake(*args, **kwargs):
+    return _distillation_outputs(_arguments(torch.ops.fused_ce.linear_distillation_loss.default, args, kwargs))
+
+
+@torch.library.register_fake("fused_ce::_linear_distillation_with_grad")
+def _linear_distillation_with_grad_fake(*args, **kwargs):
+    a = _arguments(torch.ops.fused_ce._linear_distillation_with_grad.default, args, kwargs)
+    return (*_distillation_outputs(a), *_grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"]))

@@ -159,3 +159,16 @@ def resolve(input, linear_weight, target, linear_bias, weight, process_group, vo
     start, sizes = _shard_layout(process_group, rows, vocab_start, input.device)
     x = _SumGradOverGroup.apply(input, process_group.group_name) if input.requires_grad else input
     return x, linear_weight, target, linear_bias, weight, (process_group.group_name, start, sizes)
+
+
+def teacher_shard(teacher_input, teacher_weight, teacher_bias):
+    """linear_distillation_loss's teacher for a vocabulary-parallel call: local tensors, the head's shard the
+    student's (a DTensor teacher_weight placed Shard(0) as the student's; the op checks the shards' sizes)."""
+    from torch.distributed.tensor import Shard
+
+    if _is_dtensor(teacher_weight) and tuple(teacher_weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"fused_ce: teacher_weight is a DTensor placed {tuple(teacher_weight.placements)}; in a vocabulary-"
+            "parallel distillation both heads are placed Shard(0) on the same mesh"
+        )
+    return _full(teacher_input), _local(teacher_weight), _local(teacher_bias)

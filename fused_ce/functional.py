@@ -28,8 +28,11 @@ def _schema_options(op):
 # Read once, at import (torch.compile traces the fronts: plain tuples, not the schemas' objects).
 _OPTIONS = {
     name: _schema_options(getattr(torch.ops.fused_ce, name))
-    for name in ("_linear_cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_policy_loss")
-}
+    for name in (
+        "_linear_cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_policy_loss",
+        "linear_distillation_loss",
+    )
+}  # fmt: skip
 _TAKES_CALLER = {op for op, options in _OPTIONS.items() if any(name == "caller" for name, _, _ in options)}
 _PUBLIC_LOSS_OPTIONS = tuple(n for n, _, _ in _OPTIONS["linear_cross_entropy"])  # the public op's (saved graphs)
 
@@ -482,7 +485,92 @@ def linear_policy_loss(
     return loss, PolicyStats(*stats.unbind())
 
 
+def linear_distillation_loss(
+    input: Tensor,
+    linear_weight: Tensor,
+    teacher_input: Tensor | None = None,
+    teacher_weight: Tensor | None = None,
+    target: Tensor | None = None,
+    *,
+    teacher_top_k: tuple[Tensor, Tensor] | None = None,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    hard_label_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    linear_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
+    return_entropy: bool = False,
+    process_group=None,
+    vocab_start: int | None = None,
+    workspace_bytes: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    r"""Distillation of a student's head from a teacher's, without either's logits: both heads' logits are formed a
+    block of rows at a time, and the student's gradients from the same blocks.
+
+    Per counted row, with ``s = log_softmax(z_s / T)`` and ``t = log_softmax(z_t / T)`` (``z = input @
+    linear_weight.T + linear_bias``, then each head's ``logit_scale`` and ``softcap`` as its model applies them):
+    ``beta`` 0 gives KL(t || s) (forward KL), 1 gives KL(s || t) (reverse KL), in between the generalised
+    Jensen-Shannon divergence ``beta KL(t || m) + (1 - beta) KL(s || m)`` with ``m = (1 - beta) p_s + beta p_t``
+    (TRL's convention; no ``T**2`` factor: scale the loss if you want one). ``hard_label_weight`` ``w`` mixes in
+    the cross-entropy of the student's logits (at temperature 1) on ``target``: ``(1 - w) divergence + w CE``.
+
+    Args:
+        input: ``[..., D]`` the student's hidden states; linear_weight ``[V, D]`` its head (float32, bfloat16 or
+            float16, one dtype; ``torch.autocast`` casts both heads).
+        teacher_input: ``[..., D_teacher]`` the teacher's hidden states, the same rows; teacher_weight ``[V,
+            D_teacher]``. The teacher gets no gradient (pass them detached).
+        target: ``[...]`` class indices, ``ignore_index`` at rows that are not counted (and not computed); None:
+            every row counts (then ``hard_label_weight`` must be 0).
+        teacher_top_k: ``(indices, log_probs)``, each ``[..., k]``, instead of ``teacher_input`` and
+            ``teacher_weight``: the teacher's top k classes and their log-probabilities (from its full softmax at
+            ``temperature``, e.g. precomputed offline); the loss is the forward KL from those k renormalised,
+            ``sum_k q_k (log q_k - s[idx_k])`` (``beta`` 0 only).
+        reduction: 'mean' over the counted rows, 'sum', or 'none' (each row's loss, 0 at ignored rows).
+        linear_bias, teacher_bias: optional ``[V]``.
+        softcap, logit_scale, teacher_softcap, teacher_logit_scale: each head's logit transform, ``softcap *
+            tanh(logit_scale * z / softcap)`` (Gemma's ``final_logit_softcapping``, Cohere's ``logit_scale``).
+        return_entropy: also return each row's student entropy at ``temperature`` (0 at ignored rows, no
+            gradient).
+        process_group: vocabulary parallel: ``linear_weight`` and ``teacher_weight`` (and biases) are this
+            rank's shard of the classes, the same shard for both (DTensors placed ``Shard(0)`` need no group);
+            every rank gets the loss, the full input gradient and its shard's gradients.
+        vocab_start: this rank's first class, where the shards are not in rank order.
+        workspace_bytes: the bytes a block of rows' temporaries may take (about eight ``[rows, V]`` float32 tensors).
+
+    Returns:
+        The float32 loss (differentiable in ``input``, ``linear_weight`` and ``linear_bias``), and with
+        ``return_entropy`` the entropies. A scalar loss's gradients are formed in the forward, from the same
+        blocks (the backward only scales them); 'none' forms them in the backward for its upstream gradient.
+    """
+    top_indices, top_log_probs = (None, None) if teacher_top_k is None else teacher_top_k
+    input, linear_weight, target, linear_bias, _, shard = _vocab_parallel(
+        input, linear_weight, target, linear_bias, None, process_group, vocab_start
+    )
+    if shard is not None or process_group is not None:
+        from . import distributed
+
+        teacher_input, teacher_weight, teacher_bias = distributed.teacher_shard(teacher_input, teacher_weight,
+                                                                                teacher_bias)  # fmt: skip
+    options = _option_arguments(
+        "linear_distillation_loss", "linear_distillation_loss", shard=shard, beta=beta, temperature=temperature,
+        hard_label_weight=hard_label_weight, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+        logit_scale=logit_scale, teacher_softcap=teacher_softcap, teacher_logit_scale=teacher_logit_scale,
+        return_entropy=return_entropy, workspace_bytes=workspace_bytes,
+    )  # fmt: skip
+    loss, entropy = torch.ops.fused_ce.linear_distillation_loss(
+        input, linear_weight, teacher_input, teacher_weight, target, linear_bias, teacher_bias, top_indices,
+        top_log_probs, **options,
+    )  # fmt: skip
+    return (loss, entropy) if return_entropy else loss
+
+
 _check_front(linear_cross_entropy, "_linear_cross_entropy", internal=("lse_of_ignored_rows", "return_entropy"))
+_check_front(linear_distillation_loss, "linear_distillation_loss")
 _check_front(linear_log_probs, "linear_log_probs")
 _check_front(linear_policy_loss, "linear_policy_loss")
 

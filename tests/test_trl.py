@@ -358,3 +358,70 @@ def test_mean_logits_and_wpo_weights_match_trls():
                                                                        "final_logit_softcapping": 3.0}))  # fmt: skip
     assert not fused_trl.add_fused_lm_head(gemma, outputs=outputs, _original=trls_head)
     assert fused_trl.add_fused_lm_head(copy.deepcopy(gemma), outputs=("log_probs", "entropy"), _original=trls_head)
+
+
+def teacher_model(tok, path):
+    """A tiny random Qwen2 teacher, wider and deeper than tiny_model's student, sharing its vocabulary."""
+    config = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def distill(student, teacher, tok, tmp_path, fused, beta):
+    """A few on-policy steps of TRL's DistillationTrainer, TRL's own loss or fused_ce's: (run, fused_ce's calls,
+    the [B, T, V] outputs either lm_head returned, but generation's)."""
+    calls = []
+    original = fused_trl.linear_distillation_loss
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["beta"])
+        return original(*args, **kwargs)
+
+    if fused:
+        fused_trl.linear_distillation_loss = counted
+        fused_trl.apply()
+    try:
+        args = trl.DistillationConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=5e-3, logging_steps=1,
+            report_to=[], use_cpu=True, seed=0, save_strategy="no", bf16=False, beta=beta, temperature=1.5,
+            max_completion_length=6,
+        )  # fmt: skip
+        data = datasets.Dataset.from_dict({"prompt": PROMPTS * 3})
+        trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,
+                                          processing_class=tok)  # fmt: skip
+        built = []
+        for head in (trainer.model.get_output_embeddings(), trainer.teacher_model.get_output_embeddings()):
+            head.register_forward_hook(
+                lambda m, a, out: built.append(out.shape) if out.dim() == 3 and out.shape[1] > 1 else None
+            )
+        trainer.train()
+    finally:
+        if fused:
+            fused_trl.restore()
+            fused_trl.linear_distillation_loss = original
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    metrics = [{k: v for k, v in h.items() if k not in NOT_COMPARED and "time" not in k and isinstance(v, float)}
+               for h in logs]  # fmt: skip
+    run = Run([h["loss"] for h in logs], metrics,
+              {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, fused)  # fmt: skip
+    return run, calls, built
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_distillation_trainer_trains_as_trl_does(beta, tmp_path):
+    tok = tokenizer()
+    student = tiny_model(tok, tmp_path / "student")
+    teacher = teacher_model(tok, tmp_path / "teacher")
+    reference, _, _ = distill(student, teacher, tok, tmp_path / "trl", fused=False, beta=beta)
+    fused, calls, built = distill(student, teacher, tok, tmp_path / "fused", fused=True, beta=beta)
+    assert calls == [beta] * 3 and built == []  # each step's loss through fused_ce, no logits built
+    assert "entropy" in reference.metrics[0]
+    assert_same_run(fused, reference, parameters=False)
+    for name, want in reference.parameters.items():
+        error = ((fused.parameters[name] - want).norm() / want.norm()).item()
+        assert error < 1e-4, (name, error)

@@ -24,7 +24,12 @@ where the configuration maps onto it:
   on fused_ce's log-probs.
 
 The logged metrics are TRL's (kl, entropy, clip ratios), but for the per-sequence clip extremes
-(``clip_ratio/low_min``, ``high_max``), which the fused loss does not produce. TRL is imported on ``apply()``.
+(``clip_ratio/low_min``, ``high_max``), which the fused loss does not produce.
+
+DistillationTrainer's loss (its generalised JSD between the student's and the teacher's heads on the completion
+tokens, ``beta`` and ``temperature``, each head's logit scale and softcap) becomes
+``fused_ce.linear_distillation_loss``, called where TRL calls its own (inside the student's forward redirection),
+with TRL's normalisation (``num_items_in_batch``) and its logged entropy. TRL is imported on ``apply()``.
 """
 
 import contextlib
@@ -33,7 +38,7 @@ import types
 
 import torch
 
-from ..functional import linear_cross_entropy, linear_log_probs, linear_policy_loss
+from ..functional import linear_cross_entropy, linear_distillation_loss, linear_log_probs, linear_policy_loss
 
 # TRL's FusedCausalLMOutput fields; the last two are linear in the logits' scale (not under a softcap)
 _FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
@@ -276,6 +281,58 @@ def _compute_loss(self, model, inputs, _original=None):
     return out.loss
 
 
+def _divergence_loss(
+    student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight, completion_mask, beta,
+    num_items_in_batch=None, student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+    teacher_logit_scale=1.0, student_final_logit_softcapping=None, teacher_final_logit_softcapping=None,
+    temperature=1.0,
+):  # fmt: skip
+    """DistillationTrainer's loss (trl.trainer.distillation_trainer._chunked_divergence_loss: its arguments and
+    returns, the loss, the student's entropy summed over the counted tokens, their count) through
+    fused_ce.linear_distillation_loss."""
+    from ..distributed import uses_dtensors
+
+    def whole(weight, bias, hidden):  # FSDP2's DTensor head gathered once, as TRL's own loss does
+        if uses_dtensors(weight):
+            weight = weight.full_tensor().to(hidden.dtype)
+            bias = bias.full_tensor() if bias is not None else None
+        return weight, bias
+
+    student_lm_head_weight, student_lm_head_bias = whole(
+        student_lm_head_weight, student_lm_head_bias, student_hidden_states
+    )
+    teacher_lm_head_weight, teacher_lm_head_bias = whole(
+        teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states
+    )
+    teacher_dtype = teacher_hidden_states.dtype
+    counted = completion_mask != 0
+    loss, entropy = linear_distillation_loss(
+        student_hidden_states, student_lm_head_weight, teacher_hidden_states.detach(),
+        teacher_lm_head_weight.detach().to(teacher_dtype), torch.where(counted, 0, -100), beta=beta,
+        temperature=temperature, reduction="sum", linear_bias=student_lm_head_bias,
+        teacher_bias=None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach().to(teacher_dtype),
+        softcap=student_final_logit_softcapping, logit_scale=student_logit_scale,
+        teacher_softcap=teacher_final_logit_softcapping, teacher_logit_scale=teacher_logit_scale,
+        return_entropy=True,
+    )  # fmt: skip
+    n_valid = counted.sum()
+    if num_items_in_batch is None:
+        loss = loss / n_valid.clamp(min=1)  # (a rank with no counted token: 0, as TRL's)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, entropy.sum(), n_valid
+
+
+def _distillation_module():
+    try:
+        from trl.trainer import distillation_trainer
+    except ImportError:  # (a TRL without it)
+        return None
+    return distillation_trainer if hasattr(distillation_trainer, "_chunked_divergence_loss") else None
+
+
 def _trl_modules(function):
     import sys
 
@@ -287,8 +344,9 @@ def _trl_modules(function):
 
 
 def apply():
-    """Switch TRL's fused LM head to fused_ce and GRPOTrainer's loss to fused_ce.linear_policy_loss where its
-    configuration maps onto it. Call before building the trainer; returns the patched trainer class."""
+    """Switch TRL's fused LM head to fused_ce, GRPOTrainer's loss to fused_ce.linear_policy_loss where its
+    configuration maps onto it, and DistillationTrainer's loss to fused_ce.linear_distillation_loss. Call before
+    building the trainer; returns the patched GRPO trainer class."""
     import trl
     import trl.trainer.utils as utils
     from trl.trainer import grpo_trainer
@@ -323,6 +381,13 @@ def apply():
 
         compute_loss._fused_ce_original = original
         trainer._compute_loss = compute_loss
+    distillation = _distillation_module()
+    if distillation is not None and not hasattr(distillation._chunked_divergence_loss, "_fused_ce_original"):
+        def divergence(*args, **kwargs):
+            return _divergence_loss(*args, **kwargs)
+
+        divergence._fused_ce_original = distillation._chunked_divergence_loss
+        distillation._chunked_divergence_loss = divergence
     return trainer
 
 
@@ -339,3 +404,6 @@ def restore():
     trainer = grpo_trainer.GRPOTrainer
     if hasattr(trainer._compute_loss, "_fused_ce_original"):
         trainer._compute_loss = trainer._compute_loss._fused_ce_original
+    distillation = _distillation_module()
+    if distillation is not None and hasattr(distillation._chunked_divergence_loss, "_fused_ce_original"):
+        distillation._chunked_divergence_loss = distillation._chunked_divergence_loss._fused_ce_original

@@ -1,0 +1,74 @@
+// The pipeline of the distillation ops (distillation.h): the arguments checked once into a Distillation, the
+// row blocks run over the counted rows, the outputs shaped. distillation.cpp defines it, distillation_ops.cpp
+// calls it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "distillation.h"
+#include "options.h"
+
+namespace fused_ce {
+namespace distillation {
+
+constexpr const char* kCaller = "linear_distillation_loss";
+
+enum class Divergence { ForwardKL, ReverseKL, JSD, TopK };
+
+// A head's logit transform: z -> softcap tanh(scale z / softcap), or scale z without a softcap.
+struct Transform {
+  double scale = 1.0;
+  std::optional<double> softcap;
+};
+
+struct Options {
+  Divergence divergence = Divergence::ForwardKL;
+  double beta = 0.0, temperature = 1.0, hard_label_weight = 0.0;
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::Mean;
+  int64_t workspace_bytes = 0;
+  bool entropy = false;
+  Transform student, teacher;
+  std::string group;  // vocabulary parallel: the process group's name ("" if not sharded)
+  int64_t vocab_start = 0, max_shard_rows = 0;
+  bool sharded() const { return !group.empty(); }
+};
+
+// The arguments as the pipeline takes them: rows flattened ([N, ...]), the counted rows' indices.
+struct Distillation {
+  at::Tensor x, w, bias;                  // the student: [N, D], [V, D], [V] or undefined
+  at::Tensor xt, wt, teacher_bias;        // the teacher's head: [N, Dt], [V, Dt], [V] (undefined with top-k)
+  at::Tensor top_indices, top_log_probs;  // offline: [N, k] int64 (global classes), float32
+  at::Tensor target;                      // [N] int64 or undefined
+  std::vector<int64_t> rows_shape;        // input's leading dimensions
+  int64_t N = 0, V = 0;                   // V: this shard's classes
+  at::Tensor counted;                     // [K] int64: the rows that count
+  at::ScalarType acc = at::kFloat;        // the logits' and the loss's dtype (float64 for float64 inputs)
+  Options o;
+};
+
+// The counted rows' losses and entropies ([K], acc) and the student's gradients (gx [K, D] in the input dtype;
+// gw, gb in acc; undefined where not asked for).
+struct Rows {
+  at::Tensor loss, entropy, gx, gw, gb;
+};
+
+Distillation make(FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS));
+
+// Block by block within the workspace; the gradients (mask: input, weight, bias) only with `scale` ([K] float32,
+// the counted rows' upstream gradients).
+Rows run_blocks(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask);
+
+// Counted rows' values [K] placed in input's rows (0 elsewhere).
+at::Tensor per_row(const Distillation& d, const at::Tensor& counted_values);
+
+// The loss as the reduction asks.
+at::Tensor reduced(const Distillation& d, const at::Tensor& losses);
+
+}  // namespace distillation
+}  // namespace fused_ce

@@ -1,0 +1,145 @@
+// linear_distillation_loss's kernels (distillation.h): the op, its with-grad op, its autograd formula.
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "distillation.h"
+#include "distillation_call.h"
+#include "format.h"
+#include "op_function.h"
+
+namespace fused_ce {
+
+using distillation::kCaller;
+
+std::tuple<at::Tensor, at::Tensor> linear_distillation_loss(
+    FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // (the dtypes as given)
+  const auto d = distillation::make(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
+  const distillation::Rows r = distillation::run_blocks(d, at::Tensor(), {false, false, false});
+  return {distillation::reduced(d, r.loss),
+          return_entropy ? distillation::per_row(d, r.entropy) : at::empty({0}, r.loss.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_distillation_with_grad(
+    FUSED_CE_DISTILLATION_TENSOR_PARAMS, const OptionalTensor& row_scale,
+    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const auto d = distillation::make(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
+  const int64_t K = d.counted.numel();
+  at::Tensor scale;
+  if (row_scale && row_scale->defined()) {
+    TORCH_CHECK_VALUE(row_scale->numel() == d.N, kCaller, ": row_scale must hold one value per row (", num(d.N),
+                      "), got ", num(row_scale->numel()));
+    scale = row_scale->reshape({-1}).to(d.acc).index_select(0, d.counted);
+  } else {  // an upstream gradient of 1 on the scalar loss
+    const double s = d.o.reduction == Reduction::Mean ? 1.0 / static_cast<double>(std::max<int64_t>(K, 1)) : 1.0;
+    scale = at::full({K}, s, d.x.options().dtype(d.acc));
+  }
+  distillation::Rows r = distillation::run_blocks(d, scale, output_mask);
+  const auto none = [&] { return at::empty({0}, input.options()); };
+  at::Tensor gx = none();
+  if (output_mask[0]) {
+    gx = K == d.N ? r.gx : at::zeros_like(d.x).index_copy_(0, d.counted, r.gx);
+    gx = gx.reshape(input.sizes());
+  }
+  return {distillation::reduced(d, r.loss),
+          return_entropy ? distillation::per_row(d, r.entropy) : at::empty({0}, r.loss.options()), gx,
+          output_mask[1] ? r.gw.to(linear_weight.scalar_type()) : none(),
+          r.gb.defined() ? r.gb.to(linear_bias->scalar_type()) : none()};
+}
+
+namespace {
+
+// linear_distillation_loss's autograd: a scalar loss's gradients formed in the forward (the backward scales
+// them); 'none' forms them in the backward for its upstream gradient, one pass over both heads again.
+struct DistillationOp : torch::CustomClassHolder {
+  OptionalTensor teacher_input, teacher_weight, target, teacher_bias, top_indices, top_log_probs;
+  std::vector<c10::IValue> options;  // in schema order
+  bool scalar = true;
+
+  std::string caller() const { return kCaller; }
+
+  // _linear_distillation_with_grad below autograd: (loss, entropy, grad_input, grad_weight, grad_bias).
+  variable_list with_grad(const Linear& l, const at::Tensor& row_scale, const Mask& mask) const {
+    static const auto op = op_handle("fused_ce::_linear_distillation_with_grad");
+    torch::jit::Stack stack{l.input,
+                            l.weight,
+                            teacher_input,
+                            teacher_weight,
+                            target,
+                            optional(l.bias),
+                            teacher_bias,
+                            top_indices,
+                            top_log_probs,
+                            optional(row_scale),
+                            std::vector<bool>(mask.begin(), mask.end())};
+    stack.insert(stack.end(), options.begin(), options.end());
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(&stack);
+    variable_list out;
+    for (const auto& v : stack) out.push_back(v.toTensor());
+    return out;
+  }
+
+  Forward forward(const Linear& l, const Mask& needs) const {
+    Forward f;
+    const variable_list all = with_grad(l, at::Tensor(), scalar ? needs : Mask{false, false, false});
+    f.outputs = {all[0], all[1]};
+    f.non_differentiable = {all[1]};
+    if (scalar) f.used_up = {all[2], all[3], all[4]};
+    return f;
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Linear& l, const variable_list&,
+                                                          const variable_list& grads, const Mask& mask,
+                                                          std::optional<variable_list> used_up) const {
+    if (scalar) {
+      const auto recompute = [&] {
+        const variable_list all = with_grad(l, at::Tensor(), mask);
+        return variable_list{all[2], all[3], all[4]};
+      };
+      return scaled_forward_grads(std::move(used_up), recompute, l, grads[0], mask);
+    }
+    const at::Tensor upstream = grads[0].defined() ? grads[0]
+                                                   : at::zeros(l.input.sizes().slice(0, l.input.dim() - 1),
+                                                               l.input.options().dtype(at::kFloat));
+    const variable_list all = with_grad(l, upstream, mask);
+    return {all[2], all[3], all[4]};
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> linear_distillation_loss_autograd(
+    FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
+  for (const auto& [argument, t] : {std::pair<const char*, const OptionalTensor*>{"teacher_input", &teacher_input},
+                                    {"teacher_weight", &teacher_weight},
+                                    {"teacher_bias", &teacher_bias},
+                                    {"teacher_top_k log_probs", &teacher_top_log_probs}}) {
+    check_not_differentiable(kCaller, argument, *t, " (the teacher gets no gradient)");
+  }
+  const Linear l{input, linear_weight, linear_bias.value_or(at::Tensor())};
+  if (!needs_autograd(kCaller, l)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return linear_distillation_loss(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
+  }
+  auto op = c10::make_intrusive<DistillationOp>();
+  op->teacher_input = teacher_input;
+  op->teacher_weight = teacher_weight;
+  op->target = target;
+  op->teacher_bias = teacher_bias;
+  op->top_indices = teacher_top_indices;
+  op->top_log_probs = teacher_top_log_probs;
+  op->scalar = reduction != "none";
+#define FUSED_CE_IVALUE_ITEM(cpp_type, name, ...) , c10::IValue(name)
+  op->options = detail::call_without_first([](auto... v) { return std::vector<c10::IValue>{v...}; },
+                                           0 FUSED_CE_DISTILLATION_OPTIONS(FUSED_CE_IVALUE_ITEM));
+#undef FUSED_CE_IVALUE_ITEM
+  const variable_list out = OpFunction<DistillationOp>::apply(input, linear_weight, linear_bias, op);
+  return {out[0], out[1]};
+}
+
+}  // namespace fused_ce

@@ -1,0 +1,111 @@
+// The autograd template of every op (OpFunction<Op>) and the checks and helpers its Autograd kernels share
+// (autograd.cpp defines them; the ops' Op types are in autograd.cpp and distillation.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/custom_class.h>
+
+#include <array>
+#include <functional>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace fused_ce {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Mask = std::array<bool, 3>;
+
+inline std::optional<at::Tensor> optional(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+inline c10::OperatorHandle op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// The differentiable arguments of every op: the linear's (bias undefined where there is none).
+struct Linear {
+  at::Tensor input, weight, bias;
+};
+
+// What an op's forward hands its Function: the outputs; the tensors its backward reads (saved with
+// save_for_backward, so outputs among them make no reference cycle); those the first backward uses up (the
+// gradients formed at unit scale, or the kept logits: kept in the context, handed on once without a copy); and
+// the outputs with no gradient.
+struct Forward {
+  variable_list outputs, saved, used_up, non_differentiable;
+};
+
+// One autograd Function for every op. Op (a CustomClassHolder: the context keeps it as a capsule) holds the op's
+// other arguments and options, parsed once by the Autograd kernel; Op::forward(linear, needs) runs below
+// autograd, Op::backward(linear, saved, grads, mask, used_up) returns the linear's gradients. Only input,
+// linear_weight and linear_bias are differentiable.
+template <class Op>
+class OpFunction : public torch::autograd::Function<OpFunction<Op>> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& linear_weight,
+                               const std::optional<at::Tensor>& bias, const c10::intrusive_ptr<Op>& op) {
+    ctx->set_materialize_grads(false);  // an unused output must not look like a zero gradient
+    const at::Tensor linear_bias = bias.value_or(at::Tensor());
+    const Mask needs{input.requires_grad(), linear_weight.requires_grad(),
+                     linear_bias.defined() && linear_bias.requires_grad()};
+    Forward f;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      f = op->forward({input, linear_weight, linear_bias}, needs);
+    }
+    ctx->saved_data["op"] = c10::IValue::make_capsule(op);
+    ctx->saved_data["needs_grad"] = std::vector<bool>(needs.begin(), needs.end());
+    if (!f.used_up.empty()) ctx->saved_data["used_up"] = f.used_up;
+    variable_list saved{input, linear_weight, linear_bias};
+    saved.insert(saved.end(), f.saved.begin(), f.saved.end());
+    ctx->save_for_backward(saved);
+    ctx->mark_non_differentiable(f.non_differentiable);
+    return f.outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto op = c10::static_intrusive_pointer_cast<Op>(ctx->saved_data["op"].toCapsule());
+    // The gradients come from kernels with no derivative of their own: a graph of them (create_graph=True,
+    // torch.autograd.functional.hessian, gradient penalties) would be silently wrong, so it is an error.
+    TORCH_CHECK_NOT_IMPLEMENTED(!at::GradMode::is_enabled(), "fused_ce.", op->caller(),
+                                ": double backward (create_graph=True, torch.autograd.functional.hessian, ...) is not "
+                                "supported; use torch.nn.functional.cross_entropy on the logits for higher-order "
+                                "gradients");
+    const auto needs = ctx->saved_data["needs_grad"].toBoolList();
+    const Mask mask{needs[0], needs[1], needs[2]};
+    variable_list saved = ctx->get_saved_variables();
+    const Linear linear{saved[0], saved[1], saved[2]};
+    saved.erase(saved.begin(), saved.begin() + 3);
+    std::optional<variable_list> used_up;
+    auto kept = ctx->saved_data.find("used_up");
+    if (kept != ctx->saved_data.end()) {  // a second backward through a retained graph finds none
+      used_up = kept->second.toTensorVector();
+      ctx->saved_data.erase(kept);
+    }
+    auto [gx, gw, gb] = op->backward(linear, saved, grads, mask, std::move(used_up));
+    return {mask[0] ? gx : at::Tensor(), mask[1] ? gw : at::Tensor(), mask[2] ? gb : at::Tensor(), at::Tensor()};
+  }
+};
+
+// The checks every Autograd kernel makes; false where no gradient is asked for (the op runs below autograd).
+bool needs_autograd(const char* caller, const Linear& l);
+
+// An error naming the argument where a tensor that has no gradient requires one (`what` adds to its name).
+void check_not_differentiable(const char* caller, const char* name, const std::optional<at::Tensor>& t,
+                              const char* what = "");
+
+// The gradients a forward formed at unit scale (used_up; computed again by `recompute` for a second backward
+// through a retained graph, deterministically, so that it gives bitwise the same: gradcheck's reentrance check)
+// times the upstream gradient where asked for: in place in their argument's dtype, else (float16's float32 ones,
+// loss.h) scaled and then rounded once to it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scaled_forward_grads(
+    std::optional<torch::autograd::variable_list> used_up,
+    const std::function<torch::autograd::variable_list()>& recompute, const Linear& l, at::Tensor grad_loss,
+    const Mask& mask);
+
+}  // namespace fused_ce
