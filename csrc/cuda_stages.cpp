@@ -16,10 +16,8 @@
 #include "format.h"
 
 namespace fused_ce {
-namespace {
 
-// The kernels' name of an input dtype (fused_ce/kernels/spec.py, DTYPES).
-const char* kernel_dtype(at::ScalarType t) {
+const char* cuda_kernel_dtype(at::ScalarType t) {
   switch (t) {
     case at::kBFloat16: return "bf16";
     case at::kHalf: return "fp16";
@@ -27,6 +25,8 @@ const char* kernel_dtype(at::ScalarType t) {
     default: return nullptr;
   }
 }
+
+namespace {
 
 bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -45,7 +45,7 @@ bool reads_stored_logits(const char* kernel) {
 
 // `out`: the kernel's output block (logit_grad) or its stored logits (logit_partials, softmax_grad).
 const KernelVariant* select(const char* kernel, const Problem& p, const at::Tensor* out) {
-  const char* dtype = kernel_dtype(p.x.scalar_type());
+  const char* dtype = cuda_kernel_dtype(p.x.scalar_type());
   if (dtype == nullptr) return nullptr;
   const int arch = device_arch(p.x.device().index());
   const KernelVariant* aligned = find_variant(kernel, dtype, "aligned", arch);
@@ -64,7 +64,7 @@ const KernelVariant* select_fixed(const char* kernel, const at::Device& device) 
 }
 
 const KernelVariant* select_elementwise(const char* kernel, const at::Tensor& t) {
-  const char* dtype = kernel_dtype(t.scalar_type());
+  const char* dtype = cuda_kernel_dtype(t.scalar_type());
   if (dtype == nullptr) return nullptr;
   const int arch = device_arch(t.device().index());
   const bool fits = aligned16(t) && t.numel() % 16 == 0;
@@ -128,7 +128,7 @@ bool cuda_kernels_disabled() {
 }
 
 bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype) {
-  const char* name = kernel_dtype(dtype);
+  const char* name = cuda_kernel_dtype(dtype);
   if (!device.is_cuda() || name == nullptr || cuda_kernels_disabled()) return false;
   const int arch = device_arch(device.index());
   // every kernel the build embedded in this dtype for any architecture (configs.KERNELS and their flavors, as

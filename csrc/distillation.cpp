@@ -279,6 +279,7 @@ Block distill_block(const Distillation& d, const at::Tensor& xs, const at::Tenso
 }  // namespace
 
 Rows run_blocks(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask) {
+  if (uses_kernels(d)) return run_blocks_cuda(d, scale, mask);
   const int64_t K = d.counted.numel();
   const bool with_grad = scale.defined() && (mask[0] || mask[1] || mask[2]);
   const bool every_row = K == d.N;

@@ -64,6 +64,10 @@ Distillation make(FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_D
 // the counted rows' upstream gradients).
 Rows run_blocks(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask);
 
+// On CUDA with the embedded kernels (distillation_cuda.cpp): whether they run this call, and run_blocks there.
+bool uses_kernels(const Distillation& d);
+Rows run_blocks_cuda(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask);
+
 // Counted rows' values [K] placed in input's rows (0 elsewhere).
 at::Tensor per_row(const Distillation& d, const at::Tensor& counted_values);
 

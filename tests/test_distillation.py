@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_ce
-from helpers import DEVICES
+from helpers import DEVICES, needs_profiler
 
 N, D, DT, V = 37, 16, 24, 50
 
@@ -366,3 +366,42 @@ def test_dtensor_heads():
     from test_distributed import spawn
 
     spawn(check_dtensor_heads, 2)
+
+
+@pytest.mark.cuda
+@needs_profiler
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, "top_k"])
+def test_cuda_runs_the_embedded_kernel_within_the_workspace(beta):
+    # bf16 on the GPU: the distill_rows kernel's sweeps (not the ATen stages), blocks within the workspace, the
+    # loss and gradients as on the CPU in float32
+    n, d, dt, v = 700, 64, 96, 4096
+    g = torch.Generator().manual_seed(0)
+    xs, xt = torch.randn(n, d, generator=g), torch.randn(n, dt, generator=g)
+    ws, wt = torch.randn(v, d, generator=g) / d**0.5 * 3, torch.randn(v, dt, generator=g) / dt**0.5 * 3
+    target = torch.randint(0, v, (n,), generator=g)
+    target[:100] = -100
+    teacher = (xt, wt) if beta != "top_k" else (None, None)
+    keywords = dict(beta=beta) if beta != "top_k" else dict(teacher_top_k=top_k_of(xt, wt, k=16))
+    keywords.update(hard_label_weight=0.2, softcap=20.0, temperature=1.5)
+    want_x, want_w = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    want = fused_ce.linear_distillation_loss(want_x, want_w, *teacher, target, **keywords)
+    want.backward()
+    cuda = lambda t: t.cuda().bfloat16()  # noqa: E731
+    x, w = cuda(xs).requires_grad_(), cuda(ws).requires_grad_()
+    if beta == "top_k":
+        keywords["teacher_top_k"] = tuple(t.cuda() for t in keywords["teacher_top_k"])
+    teacher = tuple(None if t is None else cuda(t) for t in teacher)
+    workspace = 64 * 2 * v * 2  # 64 rows of both heads' bf16 logits: 10 blocks
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        loss = fused_ce.linear_distillation_loss(x, w, *teacher, target.cuda(), workspace_bytes=workspace,
+                                                 **keywords)  # fmt: skip
+        loss.backward()
+        torch.cuda.synchronize()
+    grads = x.grad.numel() * 2 + w.grad.numel() * 4  # (dW summed in float32 over more than 8 blocks)
+    assert any("distill_rows" in e.name for e in prof.events())
+    assert torch.cuda.max_memory_allocated() - base - grads < 1.5 * workspace + (4 << 20)
+    assert rel(loss.float().cpu(), want) < 1e-2
+    assert rel(x.grad.float().cpu(), want_x.grad) < 2e-2 and rel(w.grad.float().cpu(), want_w.grad) < 2e-2

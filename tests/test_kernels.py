@@ -349,3 +349,51 @@ def test_prepare_rows_coefficients_are_zero_where_not_counted():
     cw[0] = 2.0  # the counted weights now sum to 3: finite coefficients everywhere
     *_, coef, _ = jit.prepare_rows(t, V, -100, class_weight=cw, mean=True, coefficients=True)
     assert all(c.isfinite().all() for c in coef)
+
+
+@pytest.mark.parametrize("divergence, beta", [(0, 0.0), (1, 1.0), (2, 0.3), (3, 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_distill_rows(divergence, beta, dtype):
+    # the three stages over stored logits of both heads (the teacher's absent for the top k: divergence 3) against
+    # float64, with softcaps, logit scales, a temperature and the hard label
+    g = torch.Generator().manual_seed(divergence)
+    N, V, T = 13, 150, 1.7
+    raw_s = (torch.randn(N, V, generator=g) * 3).to(dtype)
+    raw_t = None if divergence == 3 else (torch.randn(N, V, generator=g) * 3).to(dtype)
+    target = torch.randint(0, V, (N,), generator=g)
+    target[2] = -1  # this row's label in another shard
+    keywords = dict(temperature=T, logit_scale=0.9, softcap=5.0, teacher_logit_scale=1.2, teacher_softcap=4.0)
+    z1 = transformed_logits(raw_s, torch.eye(V, dtype=dtype), None, 0.9, 5.0)
+    s = torch.log_softmax(z1 / T, -1)
+    if raw_t is not None:
+        t = torch.log_softmax(transformed_logits(raw_t, torch.eye(V, dtype=dtype), None, 1.2, 4.0) / T, -1)
+    zs = raw_s.clone().to(DEVICE)
+    zt = None if raw_t is None else raw_t.clone().to(DEVICE)
+    stats = torch.zeros(6, N, device=DEVICE)
+    coef = torch.stack([torch.linspace(0.5, 1.5, N), torch.linspace(-1, 1, N)]).to(DEVICE)
+    tgt = target.to(DEVICE)
+    for stage in range(3):
+        jit.distill_rows(stage, zs, zt, stats, coef, tgt, divergence=divergence, beta=beta, hard=True, **keywords)
+    stats, zs = stats.cpu().double(), zs.cpu()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(stats[0], torch.logsumexp(z1 / T, -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(stats[2], torch.logsumexp(z1, -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(stats[5], (s.exp() * s).sum(-1), rtol=1e-5, atol=1e-5)
+    ps = s.exp()
+    if divergence == 0:
+        want_sums, grad = [(t.exp() * (t - s)).sum(-1)], ps - t.exp()
+    elif divergence == 1:
+        kl = (ps * (s - t)).sum(-1)
+        want_sums, grad = [kl], ps * ((s - t) - kl[:, None])
+    elif divergence == 2:
+        m = torch.logaddexp(s + torch.log1p(torch.tensor(-beta)), t + torch.log(torch.tensor(beta)))
+        kl_s = (ps * (s - m)).sum(-1)
+        want_sums, grad = [(t.exp() * (t - m)).sum(-1), kl_s], (1 - beta) * ps * ((s - m) - kl_s[:, None])
+    else:
+        want_sums, grad = [], ps
+    for i, want in enumerate(want_sums):
+        torch.testing.assert_close(stats[3 + i], want, rtol=1e-5, atol=1e-5)
+    onehot = torch.nn.functional.one_hot(target.clamp(min=0), V).double() * (target >= 0)[:, None]
+    grad = grad * coef[0].cpu().double()[:, None] + coef[1].cpu().double()[:, None] * (torch.softmax(z1, -1) - onehot)
+    grad = grad * 0.9 * (1 - (z1 / 5.0) ** 2)  # the softcap's and the scale's derivative
+    assert ((zs.double() - grad).norm() / grad.norm()).item() < tol

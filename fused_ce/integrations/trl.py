@@ -383,6 +383,7 @@ def apply():
         trainer._compute_loss = compute_loss
     distillation = _distillation_module()
     if distillation is not None and not hasattr(distillation._chunked_divergence_loss, "_fused_ce_original"):
+
         def divergence(*args, **kwargs):
             return _divergence_loss(*args, **kwargs)
 

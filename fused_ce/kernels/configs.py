@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # The kernels the build compiles, one module each in this package, each with its SPEC (spec.py).
 KERNELS = ("row_stats", "logit_grad", "logit_partials", "combine_partials", "softmax_grad", "scale",
-           "prepare_rows", "assemble_loss")
+           "prepare_rows", "assemble_loss", "distill_rows")
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
 
 
@@ -57,6 +57,7 @@ INTERPRETER = {
     "combine": RowConfig(2, 4, rows=4),  # 2 segments per step: several steps in tests
     "elementwise": RowConfig(64, 4),
     "rows": RowConfig(64, 4),
+    "row_sweeps": RowConfig(64, 4),
 }
 
 
@@ -72,6 +73,8 @@ def config(family: str, arch: int, dtype: str):
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping
+        return RowConfig(1024, 4)
+    if family == "row_sweeps":  # one program per row sweeping its stored logits (distill_rows)
         return RowConfig(1024, 4)
     if family == "combine":  # a few KB of partials per row: many small programs
         return RowConfig(64, 4, rows=16)

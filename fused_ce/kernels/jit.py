@@ -5,6 +5,8 @@ a GPU with triton installed. Arguments are passed by the names of each kernel's
 SPEC and checked against it; tiles come from configs.py by the SPEC's family.
 The library itself never imports this module.
 """
+import math
+
 import torch
 import triton
 
@@ -16,6 +18,9 @@ from . import (
 )
 from . import (
     configs,
+)
+from . import (
+    distill_rows as _distill_rows,
 )
 from . import (
     logit_grad as _logit_grad,
@@ -241,3 +246,25 @@ def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, 
                  reduction=code),
             BLOCK=cfg.block, num_warps=cfg.num_warps)
     return loss if code == 0 else loss[0]
+
+
+def distill_rows(stage, zs, zt, stats, coef, target, *, divergence, beta=0.0, temperature=1.0, hard=False,
+                 logit_scale=1.0, softcap=None, teacher_logit_scale=1.0, teacher_softcap=None, config=None):
+    """One stage of the distillation loss over a block of stored raw logits (csrc/distillation_cuda.cpp): zs, zt
+    [N, V] (zt None: the teacher's top k), stats [6, N] and coef [2, N] float32, target [N] int64 (this shard's
+    column or -1). Stage 2 turns zs into its gradient in place."""
+    N, V = zs.shape
+    cfg = _config(_distill_rows, zs, config)
+    has_teacher = zt is not None
+    zt = zs if zt is None else zt
+    _launch(_distill_rows, (N,),
+            dict(zs_ptr=zs, zt_ptr=zt, stats_ptr=stats, coef_ptr=coef, tgt_ptr=target, N=N, V=V,
+                 stride_s=zs.stride(0), stride_t=zt.stride(0), inv_t=1.0 / temperature, s_scale=float(logit_scale),
+                 s_softcap=float(softcap or 1.0), t_scale=float(teacher_logit_scale),
+                 t_softcap=float(teacher_softcap or 1.0), log_1mb=math.log1p(-beta) if beta < 1 else 0.0,
+                 log_b=math.log(beta) if beta > 0 else 0.0, stage=stage, divergence=divergence,
+                 has_teacher=int(has_teacher), hard=int(hard), has_s_softcap=int(softcap is not None),
+                 has_t_softcap=int(teacher_softcap is not None)),
+            BLOCK=cfg.block, num_warps=cfg.num_warps, FAST_TANH=_fast_tanh(zs))
+    return zs
+

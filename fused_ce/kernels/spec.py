@@ -21,7 +21,8 @@ class KernelSpec:
     # The kernel's remaining parameters are its constexprs.
     params: tuple
     # Configuration family in configs.py: "dot_tiles" (logit tiles from tl.dot), "stored_logits" (tiles of
-    # stored logits), "combine", "elementwise", "rows" (one program over all rows).
+    # stored logits), "combine", "elementwise", "rows" (one program over all rows), "row_sweeps" (one program
+    # per row, sweeping its stored logits).
     family: str
     divisible_by_16: frozenset = frozenset()
     unit_stride: frozenset = frozenset()

@@ -1,0 +1,195 @@
+// The distillation pipeline's row blocks on CUDA (distillation_call.h): cuBLAS's products store a block's raw
+// logits of both heads in the input dtype, the distill_rows kernel sweeps them three times
+// (fused_ce/kernels/distill_rows.py: the log-sum-exps, the divergence's sums, the gradient in place of the
+// student's logits), the vocabulary shards combined between the sweeps, and cuBLAS multiplies the gradient back
+// through the student's head and input. Each block's logits are formed once.
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "blocks.h"
+#include "cuda_driver.h"
+#include "cuda_stages.h"
+#include "distillation_call.h"
+#include "strategies.h"
+#include "vocab_parallel.h"
+
+namespace fused_ce {
+namespace distillation {
+namespace {
+
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 16 == 0;
+}
+
+// The logits of both heads of one block (zt undefined with the teacher's top k), the kernel's row values.
+struct Block {
+  at::Tensor zs, zt, stats, coef, target;
+};
+
+enum Stage { kLogSumExps = 0, kSums = 1, kGradient = 2 };
+
+void sweep(Stage stage, const Distillation& d, const Block& b) {
+  const Options& o = d.o;
+  const char* dtype = cuda_kernel_dtype(b.zs.scalar_type());
+  const int arch = device_arch(b.zs.device().index());
+  const bool aligned = aligned16(b.zs) && (!b.zt.defined() || aligned16(b.zt)) && d.V % 16 == 0;
+  const KernelVariant* v = aligned ? find_variant("distill_rows", dtype, "aligned", arch) : nullptr;
+  if (v == nullptr) v = find_variant("distill_rows", dtype, "general", arch);
+  TORCH_CHECK(v != nullptr, kCaller, ": no distill_rows kernel for sm_", arch);
+  const at::Tensor& zt = b.zt.defined() ? b.zt : b.zs;  // (not read without the teacher's head)
+  KernelArgs args;
+  args.ptr("zs_ptr", b.zs)
+      .ptr("zt_ptr", zt)
+      .ptr("stats_ptr", b.stats)
+      .ptr("coef_ptr", b.coef)
+      .ptr("tgt_ptr", b.target)
+      .i64("N", b.zs.size(0))
+      .i64("V", d.V)
+      .i64("stride_s", b.zs.stride(0))
+      .i64("stride_t", zt.stride(0))
+      .f32("inv_t", static_cast<float>(1.0 / o.temperature))
+      .f32("s_scale", static_cast<float>(o.student.scale))
+      .f32("s_softcap", static_cast<float>(o.student.softcap.value_or(1.0)))
+      .f32("t_scale", static_cast<float>(o.teacher.scale))
+      .f32("t_softcap", static_cast<float>(o.teacher.softcap.value_or(1.0)))
+      .f32("log_1mb", static_cast<float>(o.beta < 1.0 ? std::log1p(-o.beta) : 0.0))
+      .f32("log_b", static_cast<float>(o.beta > 0.0 ? std::log(o.beta) : 0.0))
+      .i32("stage", stage)
+      .i32("divergence", static_cast<int32_t>(o.divergence))
+      .i32("has_teacher", b.zt.defined())
+      .i32("hard", o.hard_label_weight > 0.0)
+      .i32("has_s_softcap", o.student.softcap.has_value())
+      .i32("has_t_softcap", o.teacher.softcap.has_value());
+  launch(*v, b.zs.device(), b.zs.size(0), args);
+}
+
+// A head's raw logits where the model's transform is applied on the host (a few per row): (z at T = 1, dz/draw).
+std::pair<at::Tensor, at::Tensor> transformed(const at::Tensor& raw, const Transform& f) {
+  const at::Tensor y = raw.to(at::kFloat) * f.scale;
+  if (!f.softcap) return {y, at::full_like(y, f.scale)};
+  const at::Tensor th = (y / *f.softcap).tanh_();
+  return {th * *f.softcap, (1.0 - th * th) * f.scale};
+}
+
+// The raw logits of classes idx [k, j] (global) this shard holds (elsewhere column 0's) and the mask of those it
+// holds; `columns`: their columns here (0 elsewhere).
+std::pair<at::Tensor, at::Tensor> owned_logits(const Distillation& d, const at::Tensor& zs, const at::Tensor& idx,
+                                               at::Tensor* columns = nullptr) {
+  const at::Tensor local = idx - d.o.vocab_start;
+  const at::Tensor owned = local.ge(0).logical_and(local.lt(d.V));
+  const at::Tensor safe = at::where(owned, local, at::zeros({}, local.options()));
+  if (columns != nullptr) *columns = safe;
+  return {zs.gather(1, safe), owned};
+}
+
+at::Tensor summed_over_shards(const Distillation& d, at::Tensor t) {
+  if (d.o.sharded()) all_reduce_(t, "sum", d.o.group);
+  return t;
+}
+
+}  // namespace
+
+bool uses_kernels(const Distillation& d) {
+  return d.x.is_cuda() && d.acc == at::kFloat && (!d.xt.defined() || d.xt.scalar_type() == d.x.scalar_type()) &&
+         cuda_kernels_embedded(d.x.device(), d.x.scalar_type());
+}
+
+Rows run_blocks_cuda(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask) {
+  const Options& o = d.o;
+  const int64_t K = d.counted.numel();
+  const bool with_grad = scale.defined() && (mask[0] || mask[1] || mask[2]);
+  const bool every_row = K == d.N, teacher = d.xt.defined(), hard = o.hard_label_weight > 0.0;
+  const auto counted = [&](const at::Tensor& t) {
+    return !t.defined() || every_row ? t : t.index_select(0, d.counted);
+  };
+  const at::Tensor x = counted(d.x), xt = counted(d.xt), target = counted(d.target);
+  const at::Tensor top_idx = counted(d.top_indices), top_lp = counted(d.top_log_probs);
+  // A block: both heads' logits in the input dtype; every rank of a group takes the same blocks.
+  const int64_t classes = std::max<int64_t>(o.sharded() ? o.max_shard_rows : d.V, 1);
+  const int64_t row_bytes = (teacher ? 2 : 1) * classes * static_cast<int64_t>(x.element_size());
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(K, o.workspace_bytes / row_bytes));
+  const int64_t blocks = (K + block - 1) / block;
+  const auto f32 = x.options().dtype(at::kFloat);
+  Rows out;
+  out.loss = at::empty({K}, f32);
+  if (o.entropy) out.entropy = at::empty({K}, f32);
+  if (with_grad) {
+    if (mask[0]) out.gx = at::empty({K, x.size(1)}, x.options());
+    // dW summed in the input dtype over a few blocks (as the cross-entropy ops: strategies.h), else in float32
+    const bool in_input_dtype = blocks <= input_dtype_accumulations(x.scalar_type());
+    if (mask[1]) out.gw = at::empty({d.V, x.size(1)}, in_input_dtype ? x.options() : f32);
+    if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, f32);
+  }
+  at::Tensor ones;  // (the bias's column sums)
+  const at::NoGradGuard no_grad;
+  for (int64_t begin = 0; begin < K; begin += block) {
+    const int64_t end = std::min(K, begin + block), k = end - begin;
+    const at::Tensor xs_b = x.slice(0, begin, end);
+    Block b;
+    b.zs = d.bias.defined() ? at::addmm(d.bias, xs_b, d.w.t()) : at::mm(xs_b, d.w.t());
+    if (teacher) {
+      const at::Tensor xt_b = xt.slice(0, begin, end);
+      b.zt = d.teacher_bias.defined() ? at::addmm(d.teacher_bias, xt_b, d.wt.t()) : at::mm(xt_b, d.wt.t());
+    }
+    b.stats = at::zeros({6, k}, f32);
+    sweep(kLogSumExps, d, b);
+    if (o.sharded()) {  // log-sum-exps over the shards: L = max_r lse_r, lse = L + log sum_r exp(lse_r - L)
+      const at::Tensor lse = b.stats.slice(0, 0, 3);
+      at::Tensor top = lse.clone();
+      all_reduce_(top, "max", o.group);
+      at::Tensor mass = (lse - top).exp_();
+      all_reduce_(mass, "sum", o.group);
+      lse.copy_(top + mass.log_());
+    }
+    sweep(kSums, d, b);
+    if (o.sharded()) b.stats.slice(0, 3, 6).copy_(summed_over_shards(d, b.stats.slice(0, 3, 6).clone()));
+    const at::Tensor lse_s = b.stats[0];
+    at::Tensor divergence =
+        o.divergence == Divergence::JSD ? o.beta * b.stats[3] + (1.0 - o.beta) * b.stats[4] : b.stats[3].clone();
+    // top k: this shard's columns of the k classes (0 where another shard holds one) and q times the transform's
+    // derivative there (0 there)
+    at::Tensor top_local, q_chain;
+    if (o.divergence == Divergence::TopK) {
+      const at::Tensor lp = top_lp.slice(0, begin, end);
+      const at::Tensor log_q = lp - at::logsumexp(lp, 1, true);
+      const at::Tensor q = log_q.exp();
+      auto [raw, owned] = owned_logits(d, b.zs, top_idx.slice(0, begin, end), &top_local);
+      auto [z1, chain] = transformed(raw, o.student);
+      const at::Tensor s_at = z1 / o.temperature - lse_s.unsqueeze(1);
+      const at::Tensor zero = at::zeros({}, f32);
+      divergence = (q * log_q).sum(1) - summed_over_shards(d, at::where(owned, q * s_at, zero).sum(1));
+      q_chain = at::where(owned, q * chain, zero);
+    }
+    at::Tensor loss = divergence * (1.0 - o.hard_label_weight);
+    at::Tensor local_target;  // this shard's column of each row's label, -1 where another shard holds it
+    if (hard) {
+      auto [raw, owned] = owned_logits(d, b.zs, target.slice(0, begin, end).unsqueeze(1));
+      const at::Tensor label_logit =
+          summed_over_shards(d, at::where(owned, transformed(raw, o.student).first, at::zeros({}, f32)).squeeze(1));
+      loss = loss + o.hard_label_weight * (b.stats[2] - label_logit);
+      local_target =
+          at::where(owned.squeeze(1), target.slice(0, begin, end) - o.vocab_start, at::full({}, -1, target.options()));
+    }
+    out.loss.slice(0, begin, end).copy_(loss);
+    if (o.entropy) out.entropy.slice(0, begin, end).copy_(-b.stats[5]);
+    if (!with_grad) continue;
+    const at::Tensor row_scale = scale.slice(0, begin, end);
+    b.coef = at::stack({row_scale * ((1.0 - o.hard_label_weight) / o.temperature), row_scale * o.hard_label_weight});
+    b.target = local_target.defined() ? local_target : at::full({k}, -1, x.options().dtype(at::kLong));
+    sweep(kGradient, d, b);   // b.zs: the gradient of each row's loss times its scale
+    if (q_chain.defined()) {  // minus q at the teacher's k classes, through the transform
+      b.zs.scatter_add_(1, top_local, (-q_chain * b.coef[0].unsqueeze(1)).to(b.zs.scalar_type()));
+    }
+    if (mask[0]) gemm_into(out.gx.slice(0, begin, end), b.zs, d.w, /*accumulate=*/false);
+    if (mask[1]) gemm_into(out.gw, b.zs.t(), xs_b, /*accumulate=*/begin > 0);
+    if (out.gb.defined()) add_column_sums(out.gb, b.zs, ones);
+  }
+  if (with_grad && mask[1] && K == 0) out.gw.zero_();
+  return out;
+}
+
+}  // namespace distillation
+}  // namespace fused_ce
