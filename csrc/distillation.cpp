@@ -278,28 +278,38 @@ Block distill_block(const Distillation& d, const at::Tensor& xs, const at::Tenso
 
 }  // namespace
 
-Rows run_blocks(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask) {
+at::Tensor block_rows(const Distillation& d, const at::Tensor& t, int64_t begin, int64_t end) {
+  if (!t.defined()) return t;
+  return d.counted.numel() == d.N ? t.slice(0, begin, end) : t.index_select(0, d.counted.slice(0, begin, end));
+}
+
+at::Tensor input_grad_rows(const Distillation& d, const at::Tensor& gx, int64_t begin, int64_t end) {
+  return d.counted.numel() == d.N ? gx.slice(0, begin, end) : at::empty({end - begin, gx.size(1)}, gx.options());
+}
+
+void store_input_grad(const Distillation& d, at::Tensor gx, const at::Tensor& rows, int64_t begin) {
+  if (d.counted.numel() != d.N) gx.index_copy_(0, d.counted.slice(0, begin, begin + rows.size(0)), rows);
+}
+
+Rows run_blocks(const Distillation& d, const std::optional<RowScale>& scale, std::array<bool, 3> mask) {
   if (uses_kernels(d)) return run_blocks_cuda(d, scale, mask);
   const int64_t K = d.counted.numel();
-  const bool with_grad = scale.defined() && (mask[0] || mask[1] || mask[2]);
-  const bool every_row = K == d.N;
-  const auto counted = [&](const at::Tensor& t) {
-    return !t.defined() || every_row ? t : t.index_select(0, d.counted);
-  };
-  const at::Tensor x = counted(d.x), xt = counted(d.xt), target = counted(d.target);
-  const at::Tensor top_idx = counted(d.top_indices), top_lp = counted(d.top_log_probs);
+  const bool with_grad = scale && (mask[0] || mask[1] || mask[2]);
+  const auto counted = [&](const at::Tensor& t) { return !t.defined() || K == d.N ? t : t.index_select(0, d.counted); };
+  const at::Tensor target = counted(d.target), top_idx = counted(d.top_indices), top_lp = counted(d.top_log_probs);
   // A block's temporaries: about eight [rows, V] tensors in acc. Every rank of a group takes the same blocks
   // (its collectives must match): sized by the largest shard.
   const int64_t classes = std::max<int64_t>(d.o.sharded() ? d.o.max_shard_rows : d.V, 1);
-  const int64_t block = std::max<int64_t>(
-      1, std::min<int64_t>(K, d.o.workspace_bytes / (8 * static_cast<int64_t>(c10::elementSize(d.acc)) * classes)));
+  const int64_t row_bytes = 8 * static_cast<int64_t>(c10::elementSize(d.acc)) * classes;
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(K, d.o.workspace_bytes / row_bytes));
+  const auto acc = d.x.options().dtype(d.acc);
   Rows out;
-  out.loss = at::empty({K}, x.options().dtype(d.acc));
-  if (d.o.entropy) out.entropy = at::empty({K}, out.loss.options());
+  out.loss = at::empty({K}, acc);
+  if (d.o.entropy) out.entropy = at::empty({K}, acc);
   if (with_grad) {
-    if (mask[0]) out.gx = at::empty({K, x.size(1)}, x.options());
-    if (mask[1]) out.gw = at::zeros({d.V, x.size(1)}, x.options().dtype(d.acc));
-    if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, x.options().dtype(d.acc));
+    if (mask[0]) out.gx = K == d.N ? at::empty_like(d.x) : at::zeros_like(d.x);
+    if (mask[1]) out.gw = at::zeros({d.V, d.x.size(1)}, acc);
+    if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, acc);
   }
   const at::NoGradGuard no_grad;
   const auto rows = [](const at::Tensor& t, int64_t begin, int64_t end) {
@@ -307,15 +317,20 @@ Rows run_blocks(const Distillation& d, const at::Tensor& scale, std::array<bool,
   };
   for (int64_t begin = 0; begin < K; begin += block) {
     const int64_t end = std::min(K, begin + block);
-    const at::Tensor xs_b = x.slice(0, begin, end);
-    const Block r = distill_block(d, xs_b, rows(xt, begin, end), rows(top_idx, begin, end), rows(top_lp, begin, end),
-                                  rows(target, begin, end), with_grad);
+    const at::Tensor xs_b = block_rows(d, d.x, begin, end);
+    const Block r = distill_block(d, xs_b, block_rows(d, d.xt, begin, end), rows(top_idx, begin, end),
+                                  rows(top_lp, begin, end), rows(target, begin, end), with_grad);
     out.loss.slice(0, begin, end).copy_(r.loss);
     if (d.o.entropy) out.entropy.slice(0, begin, end).copy_(r.entropy);
     if (!with_grad) continue;
-    const at::Tensor g = r.grad * scale.slice(0, begin, end).unsqueeze(1);
-    const at::Tensor g_in = g.to(x.scalar_type());  // the products in the input dtype, as the forward's
-    if (mask[0]) out.gx.slice(0, begin, end).copy_(at::mm(g_in, d.w));
+    const at::Tensor g =
+        scale->rows.defined() ? r.grad * scale->rows.slice(0, begin, end).unsqueeze(1) : r.grad * scale->uniform;
+    const at::Tensor g_in = g.to(d.x.scalar_type());  // the products in the input dtype, as the forward's
+    if (mask[0]) {
+      at::Tensor gx_b = input_grad_rows(d, out.gx, begin, end);
+      at::mm_out(gx_b, g_in, d.w);
+      store_input_grad(d, out.gx, gx_b, begin);
+    }
     if (mask[1]) out.gw.add_(at::mm(g_in.t(), xs_b));
     if (out.gb.defined()) out.gb.add_(g.sum(0));
   }

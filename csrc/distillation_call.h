@@ -52,21 +52,36 @@ struct Distillation {
   Options o;
 };
 
-// The counted rows' losses and entropies ([K], acc) and the student's gradients (gx [K, D] in the input dtype;
-// gw, gb in acc; undefined where not asked for).
+// The counted rows' losses and entropies ([K], acc) and the student's gradients (gx [N, D] in the input dtype, 0 at
+// rows not counted; gw, gb in acc or the input dtype; undefined where not asked for).
 struct Rows {
   at::Tensor loss, entropy, gx, gw, gb;
 };
 
+// The factor of each counted row's gradient: `rows` ([K] acc: a 'none' loss's upstream gradient), else `uniform`
+// for every row (a scalar loss's 1 or 1 / K, applied to the products rather than to the half-precision gradient
+// blocks, which it could take below float16's range).
+struct RowScale {
+  at::Tensor rows;
+  double uniform = 1.0;
+};
+
 Distillation make(FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS));
 
-// Block by block within the workspace; the gradients (mask: input, weight, bias) only with `scale` ([K] float32,
-// the counted rows' upstream gradients).
-Rows run_blocks(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask);
+// Block by block within the workspace; the gradients (mask: input, weight, bias) only with a scale.
+Rows run_blocks(const Distillation& d, const std::optional<RowScale>& scale, std::array<bool, 3> mask);
+
+// The counted rows [begin, end) of t ([N, ...]): a view where every row counts, else gathered (a block at a time:
+// never a copy of every counted row's hidden states).
+at::Tensor block_rows(const Distillation& d, const at::Tensor& t, int64_t begin, int64_t end);
+// dX's rows (gx [N, D]) for the counted rows [begin, end): a view where every row counts, else a buffer that
+// store_input_grad then writes to them.
+at::Tensor input_grad_rows(const Distillation& d, const at::Tensor& gx, int64_t begin, int64_t end);
+void store_input_grad(const Distillation& d, at::Tensor gx, const at::Tensor& rows, int64_t begin);
 
 // On CUDA with the embedded kernels (distillation_cuda.cpp): whether they run this call, and run_blocks there.
 bool uses_kernels(const Distillation& d);
-Rows run_blocks_cuda(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask);
+Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale, std::array<bool, 3> mask);
 
 // Counted rows' values [K] placed in input's rows (0 elsewhere).
 at::Tensor per_row(const Distillation& d, const at::Tensor& counted_values);

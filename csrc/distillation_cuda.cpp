@@ -97,41 +97,42 @@ bool uses_kernels(const Distillation& d) {
          cuda_kernels_embedded(d.x.device(), d.x.scalar_type());
 }
 
-Rows run_blocks_cuda(const Distillation& d, const at::Tensor& scale, std::array<bool, 3> mask) {
+Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale, std::array<bool, 3> mask) {
   const Options& o = d.o;
   const int64_t K = d.counted.numel();
-  const bool with_grad = scale.defined() && (mask[0] || mask[1] || mask[2]);
-  const bool every_row = K == d.N, teacher = d.xt.defined(), hard = o.hard_label_weight > 0.0;
-  const auto counted = [&](const at::Tensor& t) {
-    return !t.defined() || every_row ? t : t.index_select(0, d.counted);
-  };
-  const at::Tensor x = counted(d.x), xt = counted(d.xt), target = counted(d.target);
-  const at::Tensor top_idx = counted(d.top_indices), top_lp = counted(d.top_log_probs);
-  // A block: both heads' logits in the input dtype; every rank of a group takes the same blocks.
+  const bool with_grad = scale && (mask[0] || mask[1] || mask[2]);
+  const bool teacher = d.xt.defined(), hard = o.hard_label_weight > 0.0;
+  const auto counted = [&](const at::Tensor& t) { return !t.defined() || K == d.N ? t : t.index_select(0, d.counted); };
+  const at::Tensor target = counted(d.target), top_idx = counted(d.top_indices), top_lp = counted(d.top_log_probs);
+  // A block: both heads' logits in the input dtype, its rows of both inputs and of dX; every rank of a group
+  // takes the same blocks (its collectives must match).
   const int64_t classes = std::max<int64_t>(o.sharded() ? o.max_shard_rows : d.V, 1);
-  const int64_t row_bytes = (teacher ? 2 : 1) * classes * static_cast<int64_t>(x.element_size());
+  const int64_t row_bytes = ((teacher ? 2 : 1) * classes + 2 * d.x.size(1) + (teacher ? d.xt.size(1) : 0)) *
+                            static_cast<int64_t>(d.x.element_size());
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(K, o.workspace_bytes / row_bytes));
   const int64_t blocks = (K + block - 1) / block;
-  const auto f32 = x.options().dtype(at::kFloat);
+  const auto f32 = d.x.options().dtype(at::kFloat);
   Rows out;
   out.loss = at::empty({K}, f32);
   if (o.entropy) out.entropy = at::empty({K}, f32);
   if (with_grad) {
-    if (mask[0]) out.gx = at::empty({K, x.size(1)}, x.options());
+    if (mask[0]) out.gx = K == d.N ? at::empty_like(d.x) : at::zeros_like(d.x);
     // dW summed in the input dtype over a few blocks (as the cross-entropy ops: strategies.h), else in float32
-    const bool in_input_dtype = blocks <= input_dtype_accumulations(x.scalar_type());
-    if (mask[1]) out.gw = at::empty({d.V, x.size(1)}, in_input_dtype ? x.options() : f32);
+    const bool in_input_dtype = blocks <= input_dtype_accumulations(d.x.scalar_type());
+    if (mask[1]) out.gw = at::empty({d.V, d.x.size(1)}, in_input_dtype ? d.x.options() : f32);
     if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, f32);
   }
+  // a scalar loss's factor in the products (alpha), not in the gradient blocks
+  const double alpha = with_grad && !scale->rows.defined() ? scale->uniform : 1.0;
   at::Tensor ones;  // (the bias's column sums)
   const at::NoGradGuard no_grad;
   for (int64_t begin = 0; begin < K; begin += block) {
     const int64_t end = std::min(K, begin + block), k = end - begin;
-    const at::Tensor xs_b = x.slice(0, begin, end);
+    const at::Tensor xs_b = block_rows(d, d.x, begin, end);
     Block b;
     b.zs = d.bias.defined() ? at::addmm(d.bias, xs_b, d.w.t()) : at::mm(xs_b, d.w.t());
     if (teacher) {
-      const at::Tensor xt_b = xt.slice(0, begin, end);
+      const at::Tensor xt_b = block_rows(d, d.xt, begin, end);
       b.zt = d.teacher_bias.defined() ? at::addmm(d.teacher_bias, xt_b, d.wt.t()) : at::mm(xt_b, d.wt.t());
     }
     b.stats = at::zeros({6, k}, f32);
@@ -149,19 +150,20 @@ Rows run_blocks_cuda(const Distillation& d, const at::Tensor& scale, std::array<
     const at::Tensor lse_s = b.stats[0];
     at::Tensor divergence =
         o.divergence == Divergence::JSD ? o.beta * b.stats[3] + (1.0 - o.beta) * b.stats[4] : b.stats[3].clone();
-    // top k: this shard's columns of the k classes (0 where another shard holds one) and q times the transform's
-    // derivative there (0 there)
-    at::Tensor top_local, q_chain;
+    // top k: this shard's columns of the k classes (0 where another shard holds one), q, the student's logits there
+    // and the transform's derivative (0 where not held)
+    at::Tensor top_local, q, top_z1, top_chain;
     if (o.divergence == Divergence::TopK) {
       const at::Tensor lp = top_lp.slice(0, begin, end);
       const at::Tensor log_q = lp - at::logsumexp(lp, 1, true);
-      const at::Tensor q = log_q.exp();
+      q = log_q.exp();
       auto [raw, owned] = owned_logits(d, b.zs, top_idx.slice(0, begin, end), &top_local);
       auto [z1, chain] = transformed(raw, o.student);
       const at::Tensor s_at = z1 / o.temperature - lse_s.unsqueeze(1);
       const at::Tensor zero = at::zeros({}, f32);
       divergence = (q * log_q).sum(1) - summed_over_shards(d, at::where(owned, q * s_at, zero).sum(1));
-      q_chain = at::where(owned, q * chain, zero);
+      top_z1 = z1;
+      top_chain = at::where(owned, chain, zero);
     }
     at::Tensor loss = divergence * (1.0 - o.hard_label_weight);
     at::Tensor local_target;  // this shard's column of each row's label, -1 where another shard holds it
@@ -176,16 +178,32 @@ Rows run_blocks_cuda(const Distillation& d, const at::Tensor& scale, std::array<
     out.loss.slice(0, begin, end).copy_(loss);
     if (o.entropy) out.entropy.slice(0, begin, end).copy_(-b.stats[5]);
     if (!with_grad) continue;
-    const at::Tensor row_scale = scale.slice(0, begin, end);
+    const at::Tensor row_scale = scale->rows.defined() ? scale->rows.slice(0, begin, end) : at::ones({k}, f32);
     b.coef = at::stack({row_scale * ((1.0 - o.hard_label_weight) / o.temperature), row_scale * o.hard_label_weight});
-    b.target = local_target.defined() ? local_target : at::full({k}, -1, x.options().dtype(at::kLong));
-    sweep(kGradient, d, b);   // b.zs: the gradient of each row's loss times its scale
-    if (q_chain.defined()) {  // minus q at the teacher's k classes, through the transform
-      b.zs.scatter_add_(1, top_local, (-q_chain * b.coef[0].unsqueeze(1)).to(b.zs.scalar_type()));
+    b.target = local_target.defined() ? local_target : at::full({k}, -1, d.x.options().dtype(at::kLong));
+    at::Tensor top_grad;  // the gradient at the k classes, exactly (not sharded: each is a column here)
+    if (q.defined() && !o.sharded()) {
+      const at::Tensor c_div = b.coef[0].unsqueeze(1), c_ce = b.coef[1].unsqueeze(1);
+      top_grad = c_div * ((top_z1 / o.temperature - lse_s.unsqueeze(1)).exp() - q);
+      if (hard) {
+        const at::Tensor label = top_local.eq(b.target.unsqueeze(1)).to(at::kFloat);
+        top_grad = top_grad + c_ce * ((top_z1 - b.stats[2].unsqueeze(1)).exp() - label);
+      }
+      top_grad = top_grad * top_chain;
     }
-    if (mask[0]) gemm_into(out.gx.slice(0, begin, end), b.zs, d.w, /*accumulate=*/false);
-    if (mask[1]) gemm_into(out.gw, b.zs.t(), xs_b, /*accumulate=*/begin > 0);
-    if (out.gb.defined()) add_column_sums(out.gb, b.zs, ones);
+    sweep(kGradient, d, b);    // b.zs: the gradient of each row's loss times its scale
+    if (top_grad.defined()) {  // minus q at the teacher's k classes: their values rounded once
+      b.zs.scatter_(1, top_local, top_grad.to(b.zs.scalar_type()));
+    } else if (q.defined()) {  // (shards: minus q through the transform where this shard holds the class)
+      b.zs.scatter_add_(1, top_local, (-q * top_chain * b.coef[0].unsqueeze(1)).to(b.zs.scalar_type()));
+    }
+    if (mask[0]) {
+      const at::Tensor gx_b = input_grad_rows(d, out.gx, begin, end);
+      gemm_into(gx_b, b.zs, d.w, /*accumulate=*/false, alpha);
+      store_input_grad(d, out.gx, gx_b, begin);
+    }
+    if (mask[1]) gemm_into(out.gw, b.zs.t(), xs_b, /*accumulate=*/begin > 0, alpha);
+    if (out.gb.defined()) add_column_sums(out.gb, b.zs, ones, alpha);
   }
   if (with_grad && mask[1] && K == 0) out.gw.zero_();
   return out;

@@ -18,7 +18,7 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss(
     FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // (the dtypes as given)
   const auto d = distillation::make(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
-  const distillation::Rows r = distillation::run_blocks(d, at::Tensor(), {false, false, false});
+  const distillation::Rows r = distillation::run_blocks(d, std::nullopt, {false, false, false});
   return {distillation::reduced(d, r.loss),
           return_entropy ? distillation::per_row(d, r.entropy) : at::empty({0}, r.loss.options())};
 }
@@ -28,23 +28,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_di
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto d = distillation::make(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
-  const int64_t K = d.counted.numel();
-  at::Tensor scale;
+  distillation::RowScale scale;
   if (row_scale && row_scale->defined()) {
     TORCH_CHECK_VALUE(row_scale->numel() == d.N, kCaller, ": row_scale must hold one value per row (", num(d.N),
                       "), got ", num(row_scale->numel()));
-    scale = row_scale->reshape({-1}).to(d.acc).index_select(0, d.counted);
-  } else {  // an upstream gradient of 1 on the scalar loss
-    const double s = d.o.reduction == Reduction::Mean ? 1.0 / static_cast<double>(std::max<int64_t>(K, 1)) : 1.0;
-    scale = at::full({K}, s, d.x.options().dtype(d.acc));
+    scale.rows = row_scale->reshape({-1}).to(d.acc).index_select(0, d.counted);
+  } else if (d.o.reduction == Reduction::Mean) {  // an upstream gradient of 1 on the scalar loss
+    scale.uniform = 1.0 / static_cast<double>(std::max<int64_t>(d.counted.numel(), 1));
   }
   distillation::Rows r = distillation::run_blocks(d, scale, output_mask);
   const auto none = [&] { return at::empty({0}, input.options()); };
-  at::Tensor gx = none();
-  if (output_mask[0]) {
-    gx = K == d.N ? r.gx : at::zeros_like(d.x).index_copy_(0, d.counted, r.gx);
-    gx = gx.reshape(input.sizes());
-  }
+  const at::Tensor gx = output_mask[0] ? r.gx.reshape(input.sizes()) : none();
   return {distillation::reduced(d, r.loss),
           return_entropy ? distillation::per_row(d, r.entropy) : at::empty({0}, r.loss.options()), gx,
           output_mask[1] ? r.gw.to(linear_weight.scalar_type()) : none(),

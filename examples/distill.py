@@ -6,9 +6,10 @@ TRL's own loss beside fused_ce's, on one machine.
     python examples/distill.py --device cuda --vocab 128256 --student-hidden 1024 --teacher-hidden 2048 --batch 32
 
 Both models are Qwen2s under one vocabulary (the student --student-layers of --student-hidden, the teacher twice
-as deep and --teacher-hidden wide), random: the teacher is a fixed random distribution the student learns to match
-on its own completions of random prompts (TRL's on-policy distillation: the student generates, then the
-divergence, generalised JSD at --beta, is taken on the completion tokens). Each setting trains the same student for
+as deep and --teacher-hidden wide), random: the teacher is a fixed random distribution (its head scaled up, so far
+from uniform) that the student learns to match on its own completions of random prompts (TRL's on-policy
+distillation: the student generates, then the divergence, generalised JSD at --beta, is taken on the completion
+tokens). Each setting trains the same student for
 --steps steps from the same seed: "trl" with TRL's ChunkedDivergenceFunction, "fused_ce" with
 `fused_ce.integrations.trl.apply()` (fused_ce.linear_distillation_loss). Prints the loss curve of each, the time
 per step (generation included) and the peak memory (CUDA), and plots the curves to --out/distill.png.
@@ -24,7 +25,7 @@ import torch
 from grpo import word_tokenizer
 
 
-def save_model(path, tokenizer, vocab, hidden, layers, seed, length):
+def save_model(path, tokenizer, vocab, hidden, layers, seed, length, head_scale=1.0):
     import transformers
 
     config = transformers.Qwen2Config(
@@ -33,7 +34,10 @@ def save_model(path, tokenizer, vocab, hidden, layers, seed, length):
         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     torch.manual_seed(seed)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)  # a teacher far from uniform: a divergence worth learning
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
@@ -94,7 +98,7 @@ def main():
         student = save_model(Path(models) / "student", tokenizer, args.vocab, args.student_hidden,
                              args.student_layers, 0, length)  # fmt: skip
         teacher = save_model(Path(models) / "teacher", tokenizer, args.vocab, args.teacher_hidden,
-                             2 * args.student_layers, 1, length)  # fmt: skip
+                             2 * args.student_layers, 1, length, head_scale=30.0)  # fmt: skip
         for setting in args.settings.split(","):
             results[setting] = train(setting, args, student, teacher, tokenizer)
     print("| setting | first loss | last loss | s per step | peak GiB |\n|---|---|---|---|---|")

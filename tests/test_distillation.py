@@ -370,10 +370,12 @@ def test_dtensor_heads():
 
 @pytest.mark.cuda
 @needs_profiler
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, "top_k"])
-def test_cuda_runs_the_embedded_kernel_within_the_workspace(beta):
-    # bf16 on the GPU: the distill_rows kernel's sweeps (not the ATen stages), blocks within the workspace, the
-    # loss and gradients as on the CPU in float32
+def test_cuda_runs_the_embedded_kernel_within_the_workspace(beta, dtype):
+    # half precision on the GPU: the distill_rows kernel's sweeps (not the ATen stages), blocks within the
+    # workspace, the loss and gradients as on the CPU in float32 (float16's small gradients too: the mean's 1 / K
+    # is applied in the products)
     n, d, dt, v = 700, 64, 96, 4096
     g = torch.Generator().manual_seed(0)
     xs, xt = torch.randn(n, d, generator=g), torch.randn(n, dt, generator=g)
@@ -386,7 +388,7 @@ def test_cuda_runs_the_embedded_kernel_within_the_workspace(beta):
     want_x, want_w = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     want = fused_ce.linear_distillation_loss(want_x, want_w, *teacher, target, **keywords)
     want.backward()
-    cuda = lambda t: t.cuda().bfloat16()  # noqa: E731
+    cuda = lambda t: t.cuda().to(dtype)  # noqa: E731
     x, w = cuda(xs).requires_grad_(), cuda(ws).requires_grad_()
     if beta == "top_k":
         keywords["teacher_top_k"] = tuple(t.cuda() for t in keywords["teacher_top_k"])
