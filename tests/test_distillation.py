@@ -407,3 +407,49 @@ def test_cuda_runs_the_embedded_kernel_within_the_workspace(beta, dtype):
     assert torch.cuda.max_memory_allocated() - base - grads < 1.5 * workspace + (4 << 20)
     assert rel(loss.float().cpu(), want) < 1e-2
     assert rel(x.grad.float().cpu(), want_x.grad) < 2e-2 and rel(w.grad.float().cpu(), want_w.grad) < 2e-2
+
+
+def test_torch_export_and_torchscript(tmp_path):
+    xs, ws, xt, wt, target, _, _ = problem(seed=6)
+
+    class Student(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Parameter(ws.clone())
+
+        def forward(self, x, teacher_x, target):
+            return fused_ce.linear_distillation_loss(x, self.head, teacher_x, wt, target, beta=0.4, temperature=1.5)
+
+    m = Student()
+    ep = torch.export.export(m, (xs, xt, target))
+    assert any("linear_distillation_loss" in str(n.target) for n in ep.graph.nodes)
+    assert rel(ep.module()(xs, xt, target), m(xs, xt, target)) < 1e-6
+
+    @torch.jit.script
+    def scripted(x: torch.Tensor, w: torch.Tensor, teacher_x: torch.Tensor, teacher_w: torch.Tensor,
+                 target: torch.Tensor):  # fmt: skip
+        loss, _ = torch.ops.fused_ce.linear_distillation_loss(x, w, teacher_x, teacher_w, target, beta=0.4,
+                                                              temperature=1.5)  # fmt: skip
+        return loss
+
+    torch.jit.save(scripted, str(tmp_path / "distill.pt"))
+    loaded = torch.jit.load(str(tmp_path / "distill.pt"))
+    x = xs.clone().requires_grad_()
+    got = loaded(x, ws, xt, wt, target)
+    got.backward()
+    want_x = xs.clone().requires_grad_()
+    want = fused_ce.linear_distillation_loss(want_x, ws, xt, wt, target, beta=0.4, temperature=1.5)
+    want.backward()
+    assert rel(got, want) < 1e-6 and rel(x.grad, want_x.grad) < 1e-6
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_opcheck(reduction):
+    xs, ws, xt, wt, target, bs, bt = problem(seed=8, bias=True)
+    args = (xs.requires_grad_(), ws.requires_grad_(), xt, wt, target, bs.requires_grad_(), bt, None, None)
+    torch.library.opcheck(torch.ops.fused_ce.linear_distillation_loss.default, args,
+                          dict(beta=0.5, reduction=reduction, return_entropy=True))  # fmt: skip
+    idx, lp = top_k_of(xt, wt)
+    args = (xs, ws, None, None, target, bs, None, idx, lp)
+    torch.library.opcheck(torch.ops.fused_ce.linear_distillation_loss.default, args,
+                          dict(hard_label_weight=0.5, reduction=reduction))  # fmt: skip
