@@ -54,6 +54,16 @@ struct DistillationOp : torch::CustomClassHolder {
   std::vector<c10::IValue> options;  // in schema order
   bool scalar = true;
 
+  DistillationOp(std::array<OptionalTensor, 6> others, std::vector<c10::IValue> options_in_order, bool scalar_loss)
+      : teacher_input(std::move(others[0])),
+        teacher_weight(std::move(others[1])),
+        target(std::move(others[2])),
+        teacher_bias(std::move(others[3])),
+        top_indices(std::move(others[4])),
+        top_log_probs(std::move(others[5])),
+        options(std::move(options_in_order)),
+        scalar(scalar_loss) {}
+
   std::string caller() const { return kCaller; }
 
   // _linear_distillation_with_grad below autograd: (loss, entropy, grad_input, grad_weight, grad_bias).
@@ -120,18 +130,14 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss_autograd(
     at::AutoDispatchBelowADInplaceOrView guard;
     return linear_distillation_loss(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
   }
-  auto op = c10::make_intrusive<DistillationOp>();
-  op->teacher_input = teacher_input;
-  op->teacher_weight = teacher_weight;
-  op->target = target;
-  op->teacher_bias = teacher_bias;
-  op->top_indices = teacher_top_indices;
-  op->top_log_probs = teacher_top_log_probs;
-  op->scalar = reduction != "none";
 #define FUSED_CE_IVALUE_ITEM(cpp_type, name, ...) , c10::IValue(name)
-  op->options = detail::call_without_first([](auto... v) { return std::vector<c10::IValue>{v...}; },
-                                           0 FUSED_CE_DISTILLATION_OPTIONS(FUSED_CE_IVALUE_ITEM));
+  auto options = detail::call_without_first([](auto... v) { return std::vector<c10::IValue>{v...}; },
+                                            0 FUSED_CE_DISTILLATION_OPTIONS(FUSED_CE_IVALUE_ITEM));
 #undef FUSED_CE_IVALUE_ITEM
+  const auto op = c10::make_intrusive<DistillationOp>(
+      std::array<OptionalTensor, 6>{teacher_input, teacher_weight, target, teacher_bias, teacher_top_indices,
+                                    teacher_top_log_probs},
+      std::move(options), reduction != "none");
   const variable_list out = OpFunction<DistillationOp>::apply(input, linear_weight, linear_bias, op);
   return {out[0], out[1]};
 }

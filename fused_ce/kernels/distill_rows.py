@@ -104,9 +104,9 @@ def distill_rows_kernel(
         if has_teacher:
             lse_t = tl.load(stats_ptr + N + row)
         if stage == 1:
-            a = tl.zeros((BLOCK,), tl.float32)
-            b = tl.zeros((BLOCK,), tl.float32)
-            e = tl.zeros((BLOCK,), tl.float32)
+            a = tl.zeros((BLOCK,), tl.float32)  # the divergence's sums, the entropy's
+            b = a
+            e = a
             for c0 in range(0, V, BLOCK):
                 cols = c0 + cols0
                 mask = cols < V
