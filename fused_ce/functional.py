@@ -103,13 +103,14 @@ def _call(input, linear_weight, target, linear_bias, weight, options):
     return torch.ops.fused_ce._linear_cross_entropy(input, linear_weight, target, linear_bias, weight, **options)
 
 
-def _vocab_parallel(input, linear_weight, target, linear_bias, weight, process_group, vocab_start):
+def _vocab_parallel(input, linear_weight, target, linear_bias, weight, process_group, vocab_start,
+                    caller="linear_cross_entropy"):  # fmt: skip
     """The arguments as the op takes them, and the shard (None unless vocabulary parallel)."""
     from . import distributed  # only for distributed calls
 
     if process_group is None and not distributed.uses_dtensors(input, linear_weight, target, linear_bias, weight):
         if vocab_start is not None:
-            raise ValueError("linear_cross_entropy: vocab_start needs a process_group (or a DTensor linear_weight)")
+            raise ValueError(f"{caller}: vocab_start needs a process_group (or a DTensor linear_weight)")
         return input, linear_weight, target, linear_bias, weight, None
     return distributed.resolve(input, linear_weight, target, linear_bias, weight, process_group, vocab_start)
 
@@ -540,7 +541,8 @@ def linear_distillation_loss(
             rank's shard of the classes, the same shard for both (DTensors placed ``Shard(0)`` need no group);
             every rank gets the loss, the full input gradient and its shard's gradients.
         vocab_start: this rank's first class, where the shards are not in rank order.
-        workspace_bytes: the bytes a block of rows' temporaries may take (about eight ``[rows, V]`` float32 tensors).
+        workspace_bytes: the bytes a block of rows may take (on CUDA both heads' logits in the input dtype and the
+            block's rows; elsewhere about eight ``[rows, V]`` float32 tensors). Default: as the other ops'.
 
     Returns:
         The float32 loss (differentiable in ``input``, ``linear_weight`` and ``linear_bias``), and with
@@ -549,7 +551,7 @@ def linear_distillation_loss(
     """
     top_indices, top_log_probs = (None, None) if teacher_top_k is None else teacher_top_k
     input, linear_weight, target, linear_bias, _, shard = _vocab_parallel(
-        input, linear_weight, target, linear_bias, None, process_group, vocab_start
+        input, linear_weight, target, linear_bias, None, process_group, vocab_start, "linear_distillation_loss"
     )
     if shard is not None or process_group is not None:
         from . import distributed

@@ -282,6 +282,8 @@ def test_errors_name_the_function_and_argument():
         call(xs, ws, xt, wt, torch.full((N,), V))
     with pytest.raises(RuntimeError, match="dtype"):
         call(xs.double(), ws, xt, wt, target)
+    with pytest.raises(ValueError, match="linear_distillation_loss: vocab_start needs a process_group"):
+        call(xs, ws, xt, wt, target, vocab_start=3)
     with pytest.raises(ValueError, match="softcap must be positive"):
         call(xs, ws, xt, wt, target, teacher_softcap=-1.0)
     idx, lp = top_k_of(xt, wt)
