@@ -6,13 +6,14 @@ TRL's own loss beside fused_ce's, on one machine.
     python examples/distill.py --device cuda --vocab 128256 --student-hidden 1024 --teacher-hidden 2048 --batch 32
 
 Both models are Qwen2s under one vocabulary (the student --student-layers of --student-hidden, the teacher twice
-as deep and --teacher-hidden wide), random: the teacher is a fixed random distribution (its head scaled up, so far
-from uniform) that the student learns to match on its own completions of random prompts (TRL's on-policy
-distillation: the student generates, then the divergence, generalised JSD at --beta, is taken on the completion
-tokens). Each setting trains the same student for
---steps steps from the same seed: "trl" with TRL's ChunkedDivergenceFunction, "fused_ce" with
-`fused_ce.integrations.trl.apply()` (fused_ce.linear_distillation_loss). Prints the loss curve of each, the time
-per step (generation included) and the peak memory (CUDA), and plots the curves to --out/distill.png.
+as deep and --teacher-hidden wide), random: the teacher is a fixed random distribution (its head scaled by
+--teacher-sharpness, so far from uniform) that the student is trained towards on its own completions of random
+prompts (TRL's on-policy distillation: the student generates, then the divergence, generalised JSD at --beta, is
+taken on the completion tokens). Each setting trains the same student for --steps steps from the same seed, in
+this one process: "trl" with TRL's ChunkedDivergenceFunction, "fused_ce" with `fused_ce.integrations.trl.apply()`
+(fused_ce.linear_distillation_loss). Prints each one's first and last loss, the time per step (generation
+included, the first step too) and the peak memory (CUDA), writes the losses to --out/distill.json and plots them
+to --out/distill.png.
 """
 
 import argparse
@@ -56,7 +57,7 @@ def train(setting, args, student, teacher, tokenizer):
         data = datasets.Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in row.tolist()) for row in ids]})
         config = trl.DistillationConfig(
             output_dir=str(args.out / setting), per_device_train_batch_size=args.batch, max_steps=args.steps,
-            learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=args.device == "cpu", seed=0,
+            learning_rate=args.lr, logging_steps=1, report_to=[], use_cpu=args.device == "cpu", seed=0,
             save_strategy="no", bf16=args.device == "cuda", beta=args.beta,
             max_completion_length=args.completion_length,
         )  # fmt: skip
@@ -87,6 +88,8 @@ def main():
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--completion-length", type=int, default=32)
     parser.add_argument("--beta", type=float, default=0.5)
+    parser.add_argument("--teacher-sharpness", type=float, default=4.0, help="the teacher's head scaled by this")
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--settings", default="trl,fused_ce")
     parser.add_argument("--out", type=Path, default=Path("distill_out"))
     args = parser.parse_args()
@@ -98,7 +101,7 @@ def main():
         student = save_model(Path(models) / "student", tokenizer, args.vocab, args.student_hidden,
                              args.student_layers, 0, length)  # fmt: skip
         teacher = save_model(Path(models) / "teacher", tokenizer, args.vocab, args.teacher_hidden,
-                             2 * args.student_layers, 1, length, head_scale=30.0)  # fmt: skip
+                             2 * args.student_layers, 1, length, head_scale=args.teacher_sharpness)  # fmt: skip
         for setting in args.settings.split(","):
             results[setting] = train(setting, args, student, teacher, tokenizer)
     print("| setting | first loss | last loss | s per step | peak GiB |\n|---|---|---|---|---|")
