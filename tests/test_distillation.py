@@ -455,3 +455,42 @@ def test_opcheck(reduction):
     args = (xs, ws, None, None, target, bs, None, idx, lp)
     torch.library.opcheck(torch.ops.fused_ce.linear_distillation_loss.default, args,
                           dict(hard_label_weight=0.5, reduction=reduction))  # fmt: skip
+
+
+def check_vocabulary_parallel_kernels(rank, world):
+    # the CUDA pipeline's shard combination (log-sum-exps, sums, the label's and the top k's logits): two gloo
+    # ranks on one GPU, float32, against one process on the same GPU
+    import torch.distributed as dist
+
+    sizes = [20, 30]
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    xs, ws, xt, wt, target, bs, bt = (t.cuda() for t in problem(seed=4, bias=True))
+    idx, lp = top_k_of(xt, wt, k=6)
+    cases = [
+        dict(beta=0.4, hard_label_weight=0.3, softcap=4.0, return_entropy=True),
+        dict(beta=1.0, temperature=2.0, reduction="none"),
+        dict(teacher_top_k=(idx, lp), hard_label_weight=0.2),
+    ]
+    for keywords in cases:
+        teacher = {} if "teacher_top_k" in keywords else dict(teacher_input=xt)
+        outputs = []
+        for shard in (slice(0, V), slice(start, stop)):
+            x, w = xs.clone().requires_grad_(), ws[shard].clone().requires_grad_()
+            if teacher:
+                teacher.update(teacher_weight=wt[shard], teacher_bias=bt[shard])
+            sharded = {} if shard.stop - shard.start == V else dict(process_group=dist.group.WORLD)
+            out = fused_ce.linear_distillation_loss(x, w, target=target, linear_bias=bs[shard], **teacher,
+                                                    **keywords, **sharded)  # fmt: skip
+            loss = out[0] if keywords.get("return_entropy") else out
+            (loss * (torch.linspace(-1, 1, N, device="cuda") if loss.dim() else 1.0)).sum().backward()
+            outputs.append((out if isinstance(out, tuple) else (out,), x.grad, w.grad))
+        (want, want_gx, want_gw), (got, gx, gw) = outputs
+        assert all(rel(g, r) < 1e-5 for g, r in zip(got, want)), keywords
+        assert rel(gx, want_gx) < 1e-5 and rel(gw, want_gw[start:stop]) < 1e-5, keywords
+
+
+@pytest.mark.cuda
+def test_cuda_vocabulary_parallel_on_one_gpu():
+    from test_distributed import spawn
+
+    spawn(check_vocabulary_parallel_kernels, 2)
