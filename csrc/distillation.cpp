@@ -174,13 +174,35 @@ Distillation make(FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_D
   return d;
 }
 
+at::Tensor counted_rows(const Distillation& d, const at::Tensor& t) {
+  return !t.defined() || d.counted.numel() == d.N ? t : t.index_select(0, d.counted);
+}
+
+at::Tensor transformed(at::Tensor z, const Transform& f, at::Tensor* chain) {
+  if (f.scale != 1.0) z = z * f.scale;
+  if (!f.softcap) return z;
+  const double c = *f.softcap;
+  z = z.div(c).tanh_();
+  if (chain) *chain = (1.0 - z * z) * f.scale;
+  return z.mul_(c);
+}
+
+std::pair<at::Tensor, at::Tensor> local_classes(const Distillation& d, const at::Tensor& idx) {
+  const at::Tensor local = idx - d.o.vocab_start;
+  const at::Tensor owned = local.ge(0).logical_and(local.lt(d.V));
+  return {at::where(owned, local, at::zeros({}, local.options())), owned};
+}
+
+at::Tensor summed_over_shards(const Distillation& d, at::Tensor t) {
+  if (d.o.sharded()) all_reduce_(t, "sum", d.o.group);
+  return t;
+}
+
 namespace {
 
 // Over the classes of every shard: each row's sum of t [k, V_shard], and its logsumexp.
 at::Tensor row_sum(const Distillation& d, const at::Tensor& t) {
-  at::Tensor s = t.sum(1);
-  if (d.o.sharded()) all_reduce_(s, "sum", d.o.group);
-  return s;
+  return summed_over_shards(d, t.sum(1));
 }
 
 at::Tensor row_lse(const Distillation& d, const at::Tensor& z) {
@@ -193,21 +215,7 @@ at::Tensor row_lse(const Distillation& d, const at::Tensor& z) {
 // head's transform; with `chain`, d logits / d product (undefined where it is the constant logit_scale).
 at::Tensor logits_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Transform& f,
                      at::ScalarType acc, at::Tensor* chain = nullptr) {
-  at::Tensor z = (b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t())).to(acc);
-  if (f.scale != 1.0) z = z * f.scale;
-  if (!f.softcap) return z;
-  const double c = *f.softcap;
-  z = z.div(c).tanh_();
-  if (chain) *chain = (1.0 - z * z) * f.scale;
-  return z.mul_(c);
-}
-
-// The student's (and the teacher's) ownership of class indices `idx` [k, j] within this shard: (local index,
-// 0 where not owned; owned).
-std::pair<at::Tensor, at::Tensor> local_classes(const Distillation& d, const at::Tensor& idx) {
-  const at::Tensor local = idx - d.o.vocab_start;
-  const at::Tensor owned = local.ge(0).logical_and(local.lt(d.V));
-  return {at::where(owned, local, at::zeros({}, local.options())), owned};
+  return transformed((b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t())).to(acc), f, chain);
 }
 
 struct Block {
@@ -295,8 +303,8 @@ Rows run_blocks(const Distillation& d, const std::optional<RowScale>& scale, std
   if (uses_kernels(d)) return run_blocks_cuda(d, scale, mask);
   const int64_t K = d.counted.numel();
   const bool with_grad = scale && (mask[0] || mask[1] || mask[2]);
-  const auto counted = [&](const at::Tensor& t) { return !t.defined() || K == d.N ? t : t.index_select(0, d.counted); };
-  const at::Tensor target = counted(d.target), top_idx = counted(d.top_indices), top_lp = counted(d.top_log_probs);
+  const at::Tensor target = counted_rows(d, d.target), top_idx = counted_rows(d, d.top_indices),
+                   top_lp = counted_rows(d, d.top_log_probs);
   // A block's temporaries: about eight [rows, V] tensors in acc. Every rank of a group takes the same blocks
   // (its collectives must match): sized by the largest shard.
   const int64_t classes = std::max<int64_t>(d.o.sharded() ? d.o.max_shard_rows : d.V, 1);

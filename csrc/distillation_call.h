@@ -8,6 +8,7 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "distillation.h"
@@ -82,6 +83,17 @@ void store_input_grad(const Distillation& d, at::Tensor gx, const at::Tensor& ro
 // On CUDA with the embedded kernels (distillation_cuda.cpp): whether they run this call, and run_blocks there.
 bool uses_kernels(const Distillation& d);
 Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale, std::array<bool, 3> mask);
+
+// t's counted rows (t itself where every row counts).
+at::Tensor counted_rows(const Distillation& d, const at::Tensor& t);
+// A head's products z (in acc) after its transform: the logits at T = 1; with `chain`, d logits / d z (left
+// undefined where it is the constant logit_scale).
+at::Tensor transformed(at::Tensor z, const Transform& f, at::Tensor* chain = nullptr);
+// Class indices idx (global) as this shard's columns (0 where another shard holds the class), and the mask of
+// those it holds.
+std::pair<at::Tensor, at::Tensor> local_classes(const Distillation& d, const at::Tensor& idx);
+// t summed over the group's ranks in place (t as it is when not sharded).
+at::Tensor summed_over_shards(const Distillation& d, at::Tensor t);
 
 // Counted rows' values [K] placed in input's rows (0 elsewhere).
 at::Tensor per_row(const Distillation& d, const at::Tensor& counted_values);

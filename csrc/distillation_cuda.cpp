@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "blocks.h"
@@ -66,30 +67,6 @@ void sweep(Stage stage, const Distillation& d, const Block& b) {
   launch(*v, b.zs.device(), b.zs.size(0), args);
 }
 
-// A head's raw logits where the model's transform is applied on the host (a few per row): (z at T = 1, dz/draw).
-std::pair<at::Tensor, at::Tensor> transformed(const at::Tensor& raw, const Transform& f) {
-  const at::Tensor y = raw.to(at::kFloat) * f.scale;
-  if (!f.softcap) return {y, at::full_like(y, f.scale)};
-  const at::Tensor th = (y / *f.softcap).tanh_();
-  return {th * *f.softcap, (1.0 - th * th) * f.scale};
-}
-
-// The raw logits of classes idx [k, j] (global) this shard holds (elsewhere column 0's) and the mask of those it
-// holds; `columns`: their columns here (0 elsewhere).
-std::pair<at::Tensor, at::Tensor> owned_logits(const Distillation& d, const at::Tensor& zs, const at::Tensor& idx,
-                                               at::Tensor* columns = nullptr) {
-  const at::Tensor local = idx - d.o.vocab_start;
-  const at::Tensor owned = local.ge(0).logical_and(local.lt(d.V));
-  const at::Tensor safe = at::where(owned, local, at::zeros({}, local.options()));
-  if (columns != nullptr) *columns = safe;
-  return {zs.gather(1, safe), owned};
-}
-
-at::Tensor summed_over_shards(const Distillation& d, at::Tensor t) {
-  if (d.o.sharded()) all_reduce_(t, "sum", d.o.group);
-  return t;
-}
-
 }  // namespace
 
 bool uses_kernels(const Distillation& d) {
@@ -102,8 +79,8 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
   const int64_t K = d.counted.numel();
   const bool with_grad = scale && (mask[0] || mask[1] || mask[2]);
   const bool teacher = d.xt.defined(), hard = o.hard_label_weight > 0.0;
-  const auto counted = [&](const at::Tensor& t) { return !t.defined() || K == d.N ? t : t.index_select(0, d.counted); };
-  const at::Tensor target = counted(d.target), top_idx = counted(d.top_indices), top_lp = counted(d.top_log_probs);
+  const at::Tensor target = counted_rows(d, d.target), top_idx = counted_rows(d, d.top_indices),
+                   top_lp = counted_rows(d, d.top_log_probs);
   // A block: both heads' logits in the input dtype, its rows of both inputs and of dX; every rank of a group
   // takes the same blocks (its collectives must match).
   const int64_t classes = std::max<int64_t>(o.sharded() ? o.max_shard_rows : d.V, 1);
@@ -157,20 +134,20 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
       const at::Tensor lp = top_lp.slice(0, begin, end);
       const at::Tensor log_q = lp - at::logsumexp(lp, 1, true);
       q = log_q.exp();
-      auto [raw, owned] = owned_logits(d, b.zs, top_idx.slice(0, begin, end), &top_local);
-      auto [z1, chain] = transformed(raw, o.student);
-      const at::Tensor s_at = z1 / o.temperature - lse_s.unsqueeze(1);
+      at::Tensor owned, chain;
+      std::tie(top_local, owned) = local_classes(d, top_idx.slice(0, begin, end));
+      top_z1 = transformed(b.zs.gather(1, top_local).to(at::kFloat), o.student, &chain);
+      const at::Tensor s_at = top_z1 / o.temperature - lse_s.unsqueeze(1);
       const at::Tensor zero = at::zeros({}, f32);
       divergence = (q * log_q).sum(1) - summed_over_shards(d, at::where(owned, q * s_at, zero).sum(1));
-      top_z1 = z1;
-      top_chain = at::where(owned, chain, zero);
+      top_chain = chain.defined() ? at::where(owned, chain, zero) : owned.to(at::kFloat) * o.student.scale;
     }
     at::Tensor loss = divergence * (1.0 - o.hard_label_weight);
     at::Tensor local_target;  // this shard's column of each row's label, -1 where another shard holds it
     if (hard) {
-      auto [raw, owned] = owned_logits(d, b.zs, target.slice(0, begin, end).unsqueeze(1));
-      const at::Tensor label_logit =
-          summed_over_shards(d, at::where(owned, transformed(raw, o.student).first, at::zeros({}, f32)).squeeze(1));
+      const auto [column, owned] = local_classes(d, target.slice(0, begin, end).unsqueeze(1));
+      const at::Tensor z1 = transformed(b.zs.gather(1, column).to(at::kFloat), o.student);
+      const at::Tensor label_logit = summed_over_shards(d, at::where(owned, z1, at::zeros({}, f32)).squeeze(1));
       loss = loss + o.hard_label_weight * (b.stats[2] - label_logit);
       local_target =
           at::where(owned.squeeze(1), target.slice(0, begin, end) - o.vocab_start, at::full({}, -1, target.options()));
