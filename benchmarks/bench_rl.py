@@ -3,11 +3,15 @@
     python benchmarks/bench_rl.py                      # shape A, every workload, fused_ce and torch.compile
     python benchmarks/bench_rl.py --shapes A,C --workloads nll,nll_entropy
 
-Workloads (bf16, x ~ N(0, 1), W ~ N(0, 1/D), per-token advantages ~ N(0, 1), 10% of targets ignored):
+Workloads (bf16, x ~ N(0, 1), W ~ N(0, 1/D), per-token advantages ~ N(0, 1); --ignored: the fractions of targets
+ignored, each a row set of its own, by default 0 (every row a response token, as in an RL batch packed with
+completions) and 10%):
   nll           fwd+bwd of sum(adv * nll), nll per token (fused_ce: reduction='none')
   nll_entropy   fwd+bwd of sum(adv * log_probs) + 0.01 * sum(entropy)
   forward       log-probs and entropy without grad (old / reference policies)
   log_probs     log-probs alone without grad
+                (both forwards also time "cuBLAS logits alone": the logits GEMMs of fused_ce's row blocks into one
+                buffer, the floor of a pass that reads nothing but its GEMMs' output)
   grpo          fwd+bwd of a GRPO step: 8 sequences x 2048 tokens, the first 512 of each prompt, PPO-clip 0.2
                 against old log-probs, k3 KL at 0.04 against reference log-probs, token mean over the batch
                 (fused_ce.linear_policy_loss, and its log-probs + the objective in torch)
@@ -234,6 +238,24 @@ def methods_for(workload):
     return table.get(workload, {})
 
 
+def logits_gemms(x, w, t):
+    """The logits GEMMs alone of fused_ce's no-grad forward: its row blocks (fused_ce.plan) of the counted rows,
+    each into one reused buffer, as the pass writes them before reading them once."""
+    import fused_ce
+
+    plan = fused_ce.plan(x, w, t, reduction="none", pass_="forward")
+    counted = x[t >= 0] if plan.counted_rows_only else x
+    buffer = torch.empty(plan.block_rows, w.shape[0], dtype=x.dtype, device=x.device)
+
+    def gemms(x_, w_, t_, adv):
+        for r0 in range(0, counted.shape[0], plan.block_rows):
+            block = counted[r0 : r0 + plan.block_rows]
+            torch.mm(block, w_.T, out=buffer[: block.shape[0]])
+        return buffer[0, 0].float()
+
+    return gemms
+
+
 def rl_inputs(t, sequences=8, seed=0):
     """Advantages (per token, and per sequence for GRPO: one per completion, broadcast to its tokens), old and
     reference log-probs near the policy's, and the token-mean weights."""
@@ -281,6 +303,7 @@ def main():
     parser.add_argument("--shapes", default="A")
     parser.add_argument("--workloads", default="nll,nll_entropy,forward,log_probs,grpo,grpo_entropy")
     parser.add_argument("--methods", default="", help="only methods whose name contains one of these (comma list)")
+    parser.add_argument("--ignored", default="0,0.1", help="fractions of targets ignored (comma list; not GRPO's)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
@@ -288,48 +311,58 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_rl.py times CUDA kernels")
     rows = []
-    for shape in args.shapes.split(","):
+    cases = [
+        (shape, workload, ignored)
+        for shape in args.shapes.split(",")
+        for workload in args.workloads.split(",")
+        for ignored in ([0.25] if workload.startswith("grpo") else [float(f) for f in args.ignored.split(",")])
+    ]
+    for shape, workload, ignored in cases:
         N, D, V = SHAPES[shape]
-        for workload in args.workloads.split(","):
-            if workload.startswith("grpo"):  # 8 x 2048 tokens, the first 512 of each the prompt
-                x, w, t = make_inputs(N, D, V, "cuda", ignored=0.25, mask="prompt")
-                extra = rl_inputs(t)
-            else:
-                x, w, t = make_inputs(N, D, V, "cuda")
-                extra = rl_inputs(t)["per_token_adv"]
-            grad = workload not in ("forward", "log_probs")
-            flops = (8 if grad else 2) * N * D * V
-            values = {}
-            for method, fn in methods_for(workload).items():
-                if args.methods and not any(m in method for m in args.methods.split(",")):
-                    continue
-                try:
-                    ms, ws, value, first_ms = measure(fn, x, w, t, extra, args.warmup, args.repeat, grad)
-                except torch.cuda.OutOfMemoryError:
-                    print(f"{shape} {workload} {method}: out of memory", file=sys.stderr)
-                    continue
-                finally:
-                    torch.cuda.empty_cache()
-                values[method] = value.item()
-                rows.append(
-                    dict(
-                        shape=shape,
-                        workload=workload,
-                        method=method,
-                        ms=ms,
-                        first_call_ms=first_ms,
-                        workspace_gib=ws,
-                        value=value.item(),
-                        floor_ms=flops / (PEAK_TFLOPS * 1e12) * 1e3,
-                    )
+        if workload.startswith("grpo"):  # 8 x 2048 tokens, the first 512 of each the prompt
+            x, w, t = make_inputs(N, D, V, "cuda", ignored=0.25, mask="prompt")
+            extra = rl_inputs(t)
+        else:
+            x, w, t = make_inputs(N, D, V, "cuda", ignored=ignored)
+            extra = rl_inputs(t)["per_token_adv"]
+        grad = workload not in ("forward", "log_probs")
+        flops = (8 if grad else 2) * N * D * V
+        values = {}
+        methods = methods_for(workload)
+        if not grad:
+            methods["cuBLAS logits alone"] = logits_gemms(x, w, t)
+        for method, fn in methods.items():
+            if args.methods and not any(m in method for m in args.methods.split(",")):
+                continue
+            try:
+                ms, ws, value, first_ms = measure(fn, x, w, t, extra, args.warmup, args.repeat, grad)
+            except torch.cuda.OutOfMemoryError:
+                print(f"{shape} {workload} {method}: out of memory", file=sys.stderr)
+                continue
+            finally:
+                torch.cuda.empty_cache()
+            values[method] = value.item()
+            rows.append(
+                dict(
+                    shape=shape,
+                    workload=workload,
+                    ignored=ignored,
+                    method=method,
+                    ms=ms,
+                    first_call_ms=first_ms,
+                    workspace_gib=ws,
+                    value=value.item(),
+                    floor_ms=flops / (PEAK_TFLOPS * 1e12) * 1e3,
                 )
-                print(
-                    f"{shape} {workload:>12} {method:>28} {ms:8.2f} ms (first call {first_ms:.0f} ms) {ws:6.2f} GiB "
-                    f"value {value.item():.6f}",
-                    flush=True,
-                )
-            del x, w, t, extra
-            torch.cuda.empty_cache()
+            )
+            print(
+                f"{shape} {workload:>12} {ignored:4.0%} {method:>28} {ms:8.2f} ms (first call {first_ms:.0f} ms) "
+                f"{ws:6.2f} GiB "
+                f"value {value.item():.6f}",
+                flush=True,
+            )
+        del x, w, t, extra
+        torch.cuda.empty_cache()
     env = environment()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -337,13 +370,14 @@ def main():
     plot(rows, out / "bench_rl.png")
     print(f"\n{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}, bf16")
     print(
-        "| shape | workload | method | ms | x floor (8NDV with grad, 2NDV without, at 790 TFLOP/s) | "
+        "| shape | workload | ignored | method | ms | x floor (8NDV with grad, 2NDV without, at 790 TFLOP/s) | "
         "workspace GiB | first call ms | value |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['shape']} | {r['workload']} | {r['method']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
+            f"| {r['shape']} | {r['workload']} | {r['ignored']:.0%} | {r['method']} | {r['ms']:.2f} | "
+            f"{r['ms'] / r['floor_ms']:.2f} | "
             f"{r['workspace_gib']:.2f} | {r['first_call_ms']:.0f} | {r['value']:.6g} |"
         )
 
@@ -357,7 +391,7 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
         return
-    labels = [f"{r['shape']} {r['workload']}\n{r['method']}" for r in rows]
+    labels = [f"{r['shape']} {r['workload']} {r['ignored']:.0%}\n{r['method']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
     ax.bar(range(len(rows)), [r["ms"] for r in rows])
     ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)

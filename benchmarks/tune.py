@@ -1,12 +1,13 @@
 """Measurements behind the tile table and the optimisation log (benchmarks/LOG.md).
 
-    python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,passes,overlap]
+    python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,passes,partials,overlap]
 
 On a GPU with triton: times the kernels' JIT builds under candidate
 configurations (row_stats for the loss-only forward without stored logits; the
 tiles of logit_partials and softmax_grad for the passes over stored logits);
 "passes": the embedded (AOT) passes of a per-token fwd+bwd against the same kernels' JIT builds on the
-same rows, kernel times from the profiler; "overlap": the stored-logits step with its passes on a second
+same rows, kernel times from the profiler; "partials": the statistics pass with the entropy's partials at each
+tiling; "overlap": the stored-logits step with its passes on a second
 stream.
 Prints tables; writes tune.json to --out. The JIT specialises on integer
 arguments divisible by 16; the AOT variants declare the same only where
@@ -197,6 +198,35 @@ def tune_passes(x, w, t, calls):
     return out
 
 
+def tune_partials(x, w, t, calls, block_rows=2048):
+    """The statistics pass over a block of logits just written by torch.mm (logit_partials + combine_partials,
+    JIT builds, profiler kernel times, candidates interleaved over 3 rounds): plain, and with the entropy's
+    partials (the "extras" flavor the no-grad log-probs + entropy forward runs) at each tiling of SOFTMAX_GRAD."""
+    from fused_ce.kernels import configs, jit
+
+    xs, ts = x[:block_rows].contiguous(), t[:block_rows].contiguous()
+    z = torch.empty(block_rows, w.shape[0], dtype=x.dtype, device="cuda")
+    names = {"logit_partials_kernel", "combine_partials_kernel"}
+    cases = {("plain", None): False}
+    cases.update({("entropy", cfg): True for cfg in [None] + SOFTMAX_GRAD})
+    times = {case: [] for case in cases}
+    for _ in range(3):
+        for (label, cfg), entropy in cases.items():
+            config = None if cfg is None else configs.RowConfig(cfg[1], cfg[2], rows=cfg[0])
+
+            def fn(entropy=entropy, config=config):
+                torch.mm(xs, w.T, out=z)
+                jit.stats_from_logits(z, ts, entropy=entropy, config=config)
+
+            totals = profiled_kernel_ms(fn, calls, names)
+            times[(label, cfg)].append(sum(ms for ms, _ in totals.values()) / calls)
+    gbytes = block_rows * w.shape[0] * x.element_size() / 1e9
+    return [
+        dict(kind=label, config=cfg or "default", ms=statistics.median(v), tb_per_s=gbytes / statistics.median(v))
+        for (label, cfg), v in times.items()
+    ]
+
+
 def block_step(x, w, t, rows, buffers, grad, overlap):
     """One step of the stored-logits pipeline from JIT kernels: per row block the cuBLAS logits, then
     logit_partials + combine_partials (+ softmax_grad and the dX and dW GEMMs with ``grad``), in `buffers`
@@ -322,12 +352,12 @@ def tune_overlap(shape, warmup, repeat):
 
 def main():
     parser = shape_parser(__doc__, repeat=5)
-    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: passes, overlap")
+    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: passes, partials, overlap")
     parser.add_argument("--gemm-shapes", default="A,B,C", help="shapes of the overlap part")
     args = parser.parse_args()
     parts = args.parts.split(",")
     N, D, V = SHAPES[args.shape]
-    if {"row_stats", "softmax_grad", "passes"} & set(parts):  # the overlap part makes its own, per shape
+    if {"row_stats", "softmax_grad", "passes", "partials"} & set(parts):  # the overlap part makes its own, per shape
         x, w, t = make_inputs(N, D, V, "cuda")
         kernel_t = torch.where(t < 0, -1, t)  # the kernels' convention for ignored rows
     env = environment()
@@ -358,6 +388,11 @@ def main():
                 f"  {r['build']:4s} {r['kernel']:24s} {r['launches']:3d}x  {r['ms_per_call']:.3f} ms per call  "
                 f"{r['tb_per_s']:.2f} TB/s"
             )
+    if "partials" in parts:
+        result["partials"] = tune_partials(x, w, kernel_t, args.repeat)
+        print("statistics pass over a 2048-row block (logit_partials + combine_partials, JIT, in situ):")
+        for r in sorted(result["partials"], key=lambda r: (r["kind"], r["ms"])):
+            print(f"  {r['kind']:8s} {str(r['config']):14s} {r['ms']:.3f} ms  {r['tb_per_s']:.2f} TB/s")
     per_shape = {  # the parts that make their own inputs per shape: (function, title, a row's line)
         "overlap": (
             tune_overlap,

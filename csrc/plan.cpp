@@ -41,7 +41,7 @@ double estimated_seconds(const Plan& plan, const Problem& p, const ArchConstants
   const int64_t blocks = plan.block_rows > 0 ? cdiv(plan.rows, plan.block_rows) : 0;
   const int64_t slices = plan.tile_cols > 0 ? cdiv(p.V, plan.tile_cols) : 1;
   const double dw_bytes = grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
-                              ? (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(plan.grad_weight_dtype)
+                              ? weight_grad_sum_bytes(p, plan, blocks)
                               : 0.0;
   // the backward's vocabulary slices sum dX in float32 (the forward with gradient's are not weighed here)
   const double dx_bytes =
@@ -156,6 +156,7 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"logits_scale", plan.logits_scale},
       {"grad_input_dtype", dtype(plan.grad_input_dtype)},
       {"grad_weight_dtype", dtype(plan.grad_weight_dtype)},
+      {"grad_weight_group", plan.grad_weight_group},
       {"grad_scale", plan.grad_scale},
       {"rank_one_smoothing", plan.rank_one_smoothing},
       {"rows_on_device", plan.rows_on_device},

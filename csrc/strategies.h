@@ -46,6 +46,9 @@ inline const ArchConstants& arch_constants(int arch) {
   return *fallback;
 }
 
+// Bytes dW's sum over `blocks` row blocks of the plan moves beyond the first block's write (Plan::grad_weight_group).
+double weight_grad_sum_bytes(const Problem& p, const Plan& plan, int64_t blocks);
+
 // The plan's strategy, blocks, dtypes and workspace: the ATen path's (CPU, and CUDA devices without a fitting
 // cubin), and the embedded kernels'.
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected);

@@ -56,12 +56,12 @@ def logit_partials_kernel(
         local = tl.arange(0, BLOCK)
         first = tl.min(tl.where(mask & (z == m[:, None]), local[None, :], BLOCK), axis=1)
         tl.store(pa_ptr + out, seg.to(tl.int64) * BLOCK + first, mask=row_mask)
-    s = tl.sum(tl.where(mask, tl.exp(z - m[:, None]), 0.0), axis=1)
+    d = z - m[:, None]
+    e = tl.exp(d)  # (once: the entropy's term reuses it)
+    s = tl.sum(tl.where(mask, e, 0.0), axis=1)
     tl.store(pm_ptr + out, m, mask=row_mask)
     tl.store(ps_ptr + out, s, mask=row_mask)
     if EXTRAS and has_entropy:  # (where exp(z - m) is 0, z - m may be -inf or NaN: 0 is its term)
-        d = z - m[:, None]
-        e = tl.exp(d)
         tl.store(pe_ptr + out, tl.sum(tl.where(mask & (e > 0.0), e * d, 0.0), axis=1), mask=row_mask)
     if has_smoothing:
         zc = tl.where(mask, z, 0.0)
