@@ -40,9 +40,10 @@ double estimated_seconds(const Plan& plan, const Problem& p, const ArchConstants
   const double gemm_flops = (grads ? 6.0 : 2.0) * static_cast<double>(plan.rows) * p.D * p.V;
   const int64_t blocks = plan.block_rows > 0 ? cdiv(plan.rows, plan.block_rows) : 0;
   const int64_t slices = plan.tile_cols > 0 ? cdiv(p.V, plan.tile_cols) : 1;
-  const double dw_bytes = grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
-                              ? weight_grad_sum_bytes(p, plan, blocks)
-                              : 0.0;
+  const double dw_bytes =
+      grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
+          ? grad_weight_sum_bytes(p, plan.logits_dtype, plan.grad_weight_dtype, plan.grad_weight_group, blocks)
+          : 0.0;
   // the backward's vocabulary slices sum dX in float32 (the forward with gradient's are not weighed here)
   const double dx_bytes =
       plan.pass == Pass::Backward && slices > 1 ? (slices - 1) * 2.0 * plan.rows * p.D * sizeof(float) : 0.0;

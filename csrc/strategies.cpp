@@ -93,14 +93,18 @@ int64_t grad_weight_group(at::ScalarType dtype, at::ScalarType weight_dtype) {
 // Each block after the first re-reads and re-writes V x D in the dtype it adds in; with groups, each group's sum
 // after the first is read once more and added into the float32 accumulator (read and written), and the last
 // group's rounded into dW with it (about as much).
-double grad_weight_sum_bytes(const Problem& p, at::ScalarType dtype, at::ScalarType weight_dtype, int64_t blocks) {
-  const int64_t group = grad_weight_group(dtype, weight_dtype);
+}  // namespace
+
+double grad_weight_sum_bytes(const Problem& p, at::ScalarType dtype, at::ScalarType weight_dtype, int64_t group,
+                             int64_t blocks) {
   const double elements = static_cast<double>(p.V) * p.D;
   const at::ScalarType adds_in = group > 0 ? dtype : weight_dtype;
   const double block_bytes = (blocks - 1) * 2.0 * elements * c10::elementSize(adds_in);
   if (group == 0) return block_bytes;
   return block_bytes + (cdiv(blocks, group) - 1) * elements * (2.0 * sizeof(float) + c10::elementSize(dtype));
 }
+
+namespace {
 
 // dW's dtype and groups over `blocks` row blocks.
 void plan_grad_weight_sums(Plan& plan, const Problem& p, const LossOptions& o, int64_t blocks) {
@@ -118,10 +122,6 @@ void plan_grad_weight_sums(Plan& plan, const Problem& p, const LossOptions& o, i
 // float16's gradients at unit scale (the forward with gradient: loss.h) stay float32 through their products,
 // the weight converted a slice at a time (gemm_into): float16 would lose them to underflow.
 }  // namespace
-
-double weight_grad_sum_bytes(const Problem& p, const Plan& plan, int64_t blocks) {
-  return grad_weight_sum_bytes(p, plan.logits_dtype, plan.grad_weight_dtype, blocks);
-}
 
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected) {
   plan.strategy = Strategy::AtenChunks;
@@ -195,7 +195,8 @@ Tiles backward_tiles(const Problem& p, const LossOptions& o, const ArchConstants
   const at::ScalarType dtype = p.x.scalar_type();
   const auto moved_bytes = [&](int64_t rows, int64_t slices) {
     const int64_t blocks = cdiv(p.N, rows);
-    const double dw = grad_weight_sum_bytes(p, dtype, grad_weight_dtype(p, o, dtype, blocks), blocks);
+    const at::ScalarType weight_dtype = grad_weight_dtype(p, o, dtype, blocks);
+    const double dw = grad_weight_sum_bytes(p, dtype, weight_dtype, grad_weight_group(dtype, weight_dtype), blocks);
     return dw + (slices - 1) * 2.0 * p.N * p.D * sizeof(float);
   };
   Tiles best{row_block_rows, p.V};

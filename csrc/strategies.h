@@ -46,8 +46,10 @@ inline const ArchConstants& arch_constants(int arch) {
   return *fallback;
 }
 
-// Bytes dW's sum over `blocks` row blocks of the plan moves beyond the first block's write (Plan::grad_weight_group).
-double weight_grad_sum_bytes(const Problem& p, const Plan& plan, int64_t blocks);
+// Bytes dW's sum over `blocks` row blocks moves beyond the first block's write, its products in `dtype` added in
+// `weight_dtype`, in groups of `group` blocks where not 0 (Plan::grad_weight_group).
+double grad_weight_sum_bytes(const Problem& p, at::ScalarType dtype, at::ScalarType weight_dtype, int64_t group,
+                             int64_t blocks);
 
 // The plan's strategy, blocks, dtypes and workspace: the ATen path's (CPU, and CUDA devices without a fitting
 // cubin), and the embedded kernels'.
