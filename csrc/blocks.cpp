@@ -97,13 +97,16 @@ void WeightGradSum::begin_block() {
   holds_ = false;
 }
 
+void WeightGradSum::add(const at::Tensor& a, const at::Tensor& b, double alpha) {
+  begin_block();
+  gemm_into(grad_, a, b, holds_, alpha);
+  end_block();
+}
+
 at::Tensor WeightGradSum::sum() {
   if (float32_sum_.defined()) {
-    if (holds_) {
-      at::add_out(grad_, float32_sum_, grad_);  // (float32 sums, one rounding)
-    } else {
-      grad_.copy_(float32_sum_);
-    }
+    // the accumulator holds the groups before the last, grad_ the last one: added in float32, rounded once
+    at::add_out(grad_, float32_sum_, grad_);
     float32_sum_ = at::Tensor();
   }
   return grad_;

@@ -51,12 +51,15 @@ class WeightGradSum {
   const at::Tensor& grad() const { return grad_; }
   bool adds() const { return holds_; }
   void preset() { holds_ = true; }  // grad() holds an initial value the blocks add to
-  // Before a row block's products: a full group moves into the accumulator.
+  // Before a row block's products (into slices of grad(), adding where adds()): a full group moves into the
+  // accumulator. Each begin_block is followed by the block's products and end_block.
   void begin_block();
   void end_block() {
     holds_ = true;
     ++blocks_;
   }
+  // A row block of one product: grad() (+)= alpha * a @ b.
+  void add(const at::Tensor& a, const at::Tensor& b, double alpha = 1.0);
   at::Tensor sum();
 
  private:

@@ -90,17 +90,16 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
   const int64_t blocks = (K + block - 1) / block;
   const auto f32 = d.x.options().dtype(at::kFloat);
   Rows out;
-  int64_t group = 0;  // (dW's groups of blocks: WeightGradSum)
   out.loss = at::empty({K}, f32);
   if (o.entropy) out.entropy = at::empty({K}, f32);
+  // dW summed in the input dtype over a few blocks, beyond in a float32 accumulator, bf16's in groups of that
+  // many blocks (as the cross-entropy ops: strategies.h); float16's at unit scale add in float32 throughout
+  const at::ScalarType dtype = d.x.scalar_type();
+  const at::ScalarType gw_dtype = blocks <= input_dtype_accumulations(dtype) ? dtype : at::kFloat;
+  const int64_t group = dtype == at::kBFloat16 ? grad_weight_group(dtype, gw_dtype) : 0;
   if (with_grad) {
     if (mask[0]) out.gx = K == d.N ? at::empty_like(d.x) : at::zeros_like(d.x);
-    // dW summed in the input dtype over a few blocks (as the cross-entropy ops: strategies.h), else bf16's in
-    // groups of that many added into a float32 accumulator (WeightGradSum), float16's in float32 (at unit scale)
-    const bool in_input_dtype = blocks <= input_dtype_accumulations(d.x.scalar_type());
-    const bool groups = !in_input_dtype && d.x.scalar_type() == at::kBFloat16;
-    group = groups ? input_dtype_accumulations(at::kBFloat16) : 0;
-    if (mask[1]) out.gw = at::empty({d.V, d.x.size(1)}, in_input_dtype || groups ? d.x.options() : f32);
+    if (mask[1]) out.gw = at::empty({d.V, d.x.size(1)}, d.x.options().dtype(group > 0 ? dtype : gw_dtype));
     if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, f32);
   }
   WeightGradSum gw(out.gw, group);
@@ -184,11 +183,7 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
       gemm_into(gx_b, b.zs, d.w, /*accumulate=*/false, alpha);
       store_input_grad(d, out.gx, gx_b, begin);
     }
-    if (mask[1]) {
-      gw.begin_block();
-      gemm_into(gw.grad(), b.zs.t(), xs_b, gw.adds(), alpha);
-      gw.end_block();
-    }
+    if (mask[1]) gw.add(b.zs.t(), xs_b, alpha);
     if (out.gb.defined()) add_column_sums(out.gb, b.zs, ones, alpha);
   }
   if (with_grad && mask[1]) out.gw = K == 0 ? out.gw.zero_() : gw.sum();

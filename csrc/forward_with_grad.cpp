@@ -94,11 +94,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       }
       scatter_input_grad(p, g.input, gx, r0);
     }
-    if (need[1]) {
-      dw.begin_block();
-      gemm_into(dw.grad(), block.t(), pr.x.to(gemm_dtype), dw.adds(), unscale);
-      dw.end_block();
-    }
+    if (need[1]) dw.add(block.t(), pr.x.to(gemm_dtype), unscale);
     if (need[2]) add_column_sums(g.bias, block, ones, unscale);
   }
   if (need[1]) g.weight = dw.sum();

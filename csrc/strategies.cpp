@@ -83,17 +83,15 @@ at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::Sca
   return blocks > input_dtype_accumulations(dtype) && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
-// Blocks of bf16 or float16 summed in dW's own dtype before each addition into its float32 accumulator
-// (Plan::grad_weight_group): as many as that dtype keeps accurate; 0 where dW adds in its own dtype throughout.
-int64_t grad_weight_group(at::ScalarType dtype, at::ScalarType weight_dtype) {
-  const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
-  return reduced && weight_dtype == at::kFloat ? input_dtype_accumulations(dtype) : 0;
-}
-
 // Each block after the first re-reads and re-writes V x D in the dtype it adds in; with groups, each group's sum
 // after the first is read once more and added into the float32 accumulator (read and written), and the last
 // group's rounded into dW with it (about as much).
 }  // namespace
+
+int64_t grad_weight_group(at::ScalarType dtype, at::ScalarType weight_dtype) {
+  const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
+  return reduced && weight_dtype == at::kFloat ? input_dtype_accumulations(dtype) : 0;
+}
 
 double grad_weight_sum_bytes(const Problem& p, at::ScalarType dtype, at::ScalarType weight_dtype, int64_t group,
                              int64_t blocks) {
@@ -337,11 +335,11 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   } else {
     k.stored_logits(plan, rows);
   }
-  plan_grad_weight_sums(plan, p, k.o, cdiv(p.N, plan.block_rows));
   if (k.half) {  // gradient blocks at a scale, float32 gradients (Plan::grad_scale)
     plan.grad_scale = float16_grad_scale(p, k.o);
     plan.grad_input_dtype = plan.grad_weight_dtype = at::kFloat;
-    plan.grad_weight_group = 0;
+  } else {
+    plan_grad_weight_sums(plan, p, k.o, cdiv(p.N, plan.block_rows));
   }
 }
 
