@@ -327,7 +327,6 @@ def main():
             extra = rl_inputs(t)["per_token_adv"]
         grad = workload not in ("forward", "log_probs")
         flops = (8 if grad else 2) * N * D * V
-        values = {}
         methods = methods_for(workload)
         if not grad:
             methods["cuBLAS logits alone"] = logits_gemms(x, w, t)
@@ -341,7 +340,6 @@ def main():
                 continue
             finally:
                 torch.cuda.empty_cache()
-            values[method] = value.item()
             rows.append(
                 dict(
                     shape=shape,
