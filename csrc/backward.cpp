@@ -49,23 +49,21 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
   const Problem stored = reading_stored_logits(p, plan);
   const int64_t first = kept.defined() ? std::min(plan.kept_rows, p.N) : 0;  // rows of the kept block
   at::Tensor ones;
-  WeightGradSum dw(g.weight, plan.grad_weight_group);
   const auto tile_grads = [&](const Problem& pt, const GradCoefficients& cr, const at::Tensor& block,
-                              const at::Tensor& gx, const at::Tensor& x, int64_t v0) {
+                              const at::Tensor& gx, const at::Tensor& x, int64_t r0, int64_t v0) {
     cuda_softmax_grad(pt, cr, cr.lse, block, o.smoothing());
     if (need_x) gemm_into(gx, block, pt.w, /*accumulate=*/v0 > 0);
-    if (need_w) gemm_into(dw.grad().narrow(0, v0, pt.V), block.t(), x, dw.adds());
+    if (need_w) gemm_into(g.weight.narrow(0, v0, pt.V), block.t(), x, /*accumulate=*/r0 > 0);
     if (need_b) add_column_sums(g.bias.narrow(0, v0, pt.V), block, ones);
   };
   if (first > 0) {  // the kept rows: whole rows, their dX in one product
     const Problem pr = stored.rows(0, first);
     at::Tensor gx_buffer;
     const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, 0, first) : at::Tensor();
-    tile_grads(pr, scaled.rows(0, first), kept.narrow(0, 0, first), gx, pr.x, 0);
+    tile_grads(pr, scaled.rows(0, first), kept.narrow(0, 0, first), gx, pr.x, 0, 0);
     if (need_x) scatter_input_grad(p, g.input, gx, 0);
-    dw.end_block();
   }
-  if (first == p.N) return g;  // (one block: dW in grad_weight_dtype, no groups)
+  if (first == p.N) return g;
   const int64_t cols = plan.tile_cols, rows = std::min(plan.block_rows, p.N - first);
   const bool sliced = cols < p.V;
   Workspace workspace(kept);
@@ -83,21 +81,18 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
     const at::Tensor gx = !need_x  ? at::Tensor()
                           : sliced ? gx_sums.narrow(0, 0, r1 - r0)
                                    : input_grad_rows(p, g.input, gx_buffer, r0, r1);
-    dw.begin_block();
     for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
       const Problem pt = sliced ? pr.cols(v0, std::min(p.V, v0 + cols)) : pr;
       at::Tensor block = buffer.narrow(0, 0, pt.N * pt.V).view({pt.N, pt.V});  // contiguous
       logits_into(pt, block, plan.logits_scale);
-      tile_grads(pt, cr, block, gx, pr.x, v0);
+      tile_grads(pt, cr, block, gx, pr.x, r0, v0);
     }
-    dw.end_block();
     if (need_x && sliced && !p.row_index.defined()) {
       g.input.narrow(0, r0, r1 - r0).copy_(gx);
     } else if (need_x) {  // (selected rows: their gathered x, read no more, takes the sums in the input dtype)
       scatter_input_grad(p, g.input, sliced ? pr.x.copy_(gx) : gx, r0);
     }
   }
-  if (need_w) g.weight = dw.sum();
   return g;
 }
 
@@ -132,7 +127,6 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
   Grads g = allocate_grads(p, plan, need);
   if (p.N == 0) return g;  // zeros
   at::Tensor block_buffer, gx_buffer, ones;
-  WeightGradSum dw(g.weight, plan.grad_weight_group);
   if (dot_tiles) {
     const int64_t ld = (plan.tile_cols + 63) / 64 * 64;  // aligned rows for the kernel's stores and for cuBLAS
     block_buffer = at::empty({plan.block_rows, ld}, opts.dtype(gemm_dtype));
@@ -143,7 +137,6 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
     const GradCoefficients cr = c.rows(r0, r1);
     const at::Tensor x = pr.x.to(gemm_dtype);
     const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
-    dw.begin_block();
     for (int64_t v0 = 0; v0 < p.V; v0 += plan.tile_cols) {
       const int64_t v1 = std::min(p.V, v0 + plan.tile_cols);
       at::Tensor block;
@@ -154,13 +147,11 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
         block = aten_logit_grad(pr, cr, v0, v1).to(gemm_dtype);
       }
       if (need_x) gemm_into(gx, block, p.w.narrow(0, v0, v1 - v0), v0 > 0);
-      if (need_w) gemm_into(dw.grad().narrow(0, v0, v1 - v0), block.t(), x, dw.adds());
+      if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), x, r0 > 0);
       if (need_b) add_column_sums(g.bias.narrow(0, v0, v1 - v0), block, ones);
     }
-    dw.end_block();
     if (need_x) scatter_input_grad(p, g.input, gx, r0);
   }
-  if (need_w) g.weight = dw.sum();
   return g;
 }
 

@@ -86,32 +86,6 @@ void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool ac
   }
 }
 
-void WeightGradSum::begin_block() {
-  if (group_ == 0 || blocks_ < group_) return;
-  if (float32_sum_.defined()) {
-    float32_sum_.add_(grad_);
-  } else {
-    float32_sum_ = grad_.to(at::kFloat);
-  }
-  blocks_ = 0;
-  holds_ = false;
-}
-
-void WeightGradSum::add(const at::Tensor& a, const at::Tensor& b, double alpha) {
-  begin_block();
-  gemm_into(grad_, a, b, holds_, alpha);
-  end_block();
-}
-
-at::Tensor WeightGradSum::sum() {
-  if (float32_sum_.defined()) {
-    // the accumulator holds the groups before the last, grad_ the last one: added in float32, rounded once
-    at::add_out(grad_, float32_sum_, grad_);
-    float32_sum_ = at::Tensor();
-  }
-  return grad_;
-}
-
 void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha) {
   if (!block.is_cuda()) {  // (ATen's pairwise sums: float32 blocks' sums as accurate as torch's)
     out.add_(block.sum(0, false, out.scalar_type()), alpha);
@@ -130,9 +104,9 @@ Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
     g.input = p.row_index.defined() ? at::zeros({p.x.size(0), p.D}, opts.dtype(plan.grad_input_dtype))
                                     : at::empty({p.N, p.D}, opts.dtype(plan.grad_input_dtype));
   }
-  if (need[1]) {  // zeros where no row will add to it; with groups, in the products' dtype (WeightGradSum)
-    const auto dtype = plan.grad_weight_group > 0 ? plan.logits_dtype : plan.grad_weight_dtype;
-    g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(dtype)) : at::empty({p.V, p.D}, opts.dtype(dtype));
+  if (need[1]) {  // zeros where no row will add to it
+    g.weight = p.N == 0 ? at::zeros({p.V, p.D}, opts.dtype(plan.grad_weight_dtype))
+                        : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
   }
   if (need[2] && p.bias.defined()) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
   return g;

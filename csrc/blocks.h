@@ -41,33 +41,6 @@ RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const 
 // out (+)= alpha * a @ b, accumulating in out's dtype (a float32 out from float16 or bfloat16 a and b: cuBLAS's
 // float32 output where torch has it).
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha = 1.0);
-// dW's sum over row blocks (Plan::grad_weight_group): each block's products go into grad() (adding to it where
-// adds(): not the first block of a group, or a preset initial value), and every group's sum is added into a
-// float32 accumulator before the next group begins; sum() is the whole sum in grad()'s dtype, rounded once.
-// Without groups, grad() itself (in grad_weight_dtype) takes every block.
-class WeightGradSum {
- public:
-  WeightGradSum(at::Tensor grad, int64_t group) : grad_(std::move(grad)), group_(group) {}
-  const at::Tensor& grad() const { return grad_; }
-  bool adds() const { return holds_; }
-  void preset() { holds_ = true; }  // grad() holds an initial value the blocks add to
-  // Before a row block's products (into slices of grad(), adding where adds()): a full group moves into the
-  // accumulator. Each begin_block is followed by the block's products and end_block.
-  void begin_block();
-  void end_block() {
-    holds_ = true;
-    ++blocks_;
-  }
-  // A row block of one product: grad() (+)= alpha * a @ b.
-  void add(const at::Tensor& a, const at::Tensor& b, double alpha = 1.0);
-  at::Tensor sum();
-
- private:
-  at::Tensor grad_, float32_sum_;
-  int64_t group_, blocks_ = 0;
-  bool holds_ = false;
-};
-
 // out += alpha * the column sums of block (the bias's gradient), `ones` a row of ones kept between calls.
 void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha = 1.0);
 

@@ -92,17 +92,13 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
   Rows out;
   out.loss = at::empty({K}, f32);
   if (o.entropy) out.entropy = at::empty({K}, f32);
-  // dW summed in the input dtype over a few blocks, beyond in a float32 accumulator, bf16's in groups of that
-  // many blocks (as the cross-entropy ops: strategies.h); float16's at unit scale add in float32 throughout
-  const at::ScalarType dtype = d.x.scalar_type();
-  const at::ScalarType gw_dtype = blocks <= input_dtype_accumulations(dtype) ? dtype : at::kFloat;
-  const int64_t group = dtype == at::kBFloat16 ? grad_weight_group(dtype, gw_dtype) : 0;
   if (with_grad) {
     if (mask[0]) out.gx = K == d.N ? at::empty_like(d.x) : at::zeros_like(d.x);
-    if (mask[1]) out.gw = at::empty({d.V, d.x.size(1)}, d.x.options().dtype(group > 0 ? dtype : gw_dtype));
+    // dW summed in the input dtype over a few blocks (as the cross-entropy ops: strategies.h), else in float32
+    const bool in_input_dtype = blocks <= input_dtype_accumulations(d.x.scalar_type());
+    if (mask[1]) out.gw = at::empty({d.V, d.x.size(1)}, in_input_dtype ? d.x.options() : f32);
     if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, f32);
   }
-  WeightGradSum gw(out.gw, group);
   // a scalar loss's factor in the products (alpha), not in the gradient blocks
   const double alpha = with_grad && !scale->rows.defined() ? scale->uniform : 1.0;
   at::Tensor ones;  // (the bias's column sums)
@@ -183,10 +179,10 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
       gemm_into(gx_b, b.zs, d.w, /*accumulate=*/false, alpha);
       store_input_grad(d, out.gx, gx_b, begin);
     }
-    if (mask[1]) gw.add(b.zs.t(), xs_b, alpha);
+    if (mask[1]) gemm_into(out.gw, b.zs.t(), xs_b, /*accumulate=*/begin > 0, alpha);
     if (out.gb.defined()) add_column_sums(out.gb, b.zs, ones, alpha);
   }
-  if (with_grad && mask[1]) out.gw = K == 0 ? out.gw.zero_() : gw.sum();
+  if (with_grad && mask[1] && K == 0) out.gw.zero_();
   return out;
 }
 

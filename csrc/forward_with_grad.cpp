@@ -54,8 +54,6 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     }
     if (need[2]) g.bias.add_(p.class_weight * neg_gamma.sum());
   }
-  WeightGradSum dw(g.weight, plan.grad_weight_group);
-  if (rank_one) dw.preset();
   const int64_t rows = plan.block_rows;
   at::Tensor logits_buffer = stored_logits ? at::empty({rows, p.V}, p.x.options().dtype(gemm_dtype)) : at::Tensor();
   at::Tensor gx_buffer, ones;
@@ -94,10 +92,9 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       }
       scatter_input_grad(p, g.input, gx, r0);
     }
-    if (need[1]) dw.add(block.t(), pr.x.to(gemm_dtype), unscale);
+    if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, unscale);
     if (need[2]) add_column_sums(g.bias, block, ones, unscale);
   }
-  if (need[1]) g.weight = dw.sum();
   return {s, g};
 }
 
@@ -112,13 +109,11 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
   Grads g = allocate_grads(p, plan, need);
   const at::Tensor buffer = at::empty({rows * cols}, p.x.options());
   at::Tensor ones;
-  WeightGradSum dw(g.weight, plan.grad_weight_group);
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
     const Problem pr = p.rows(r0, r1);
     const GradCoefficients cr = c.rows(r0, r1, s.rows(r0, r1));
     const at::Tensor lse = s.lse.narrow(0, r0, r1 - r0);
-    if (need[1]) dw.begin_block();
     for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
       const int64_t v1 = std::min(p.V, v0 + cols);
       const Problem pt = pr.cols(v0, v1);
@@ -126,12 +121,10 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
       logits_into(pt, block);
       cuda_softmax_grad(pt, cr, lse, block, o.smoothing());
       if (need[0]) gemm_into(g.input.narrow(0, r0, r1 - r0), block, pt.w, v0 > 0);
-      if (need[1]) gemm_into(dw.grad().narrow(0, v0, v1 - v0), block.t(), pr.x, dw.adds());
+      if (need[1]) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), pr.x, r0 > 0);
       if (need[2]) add_column_sums(g.bias.narrow(0, v0, v1 - v0), block, ones);
     }
-    if (need[1]) dw.end_block();
   }
-  if (need[1]) g.weight = dw.sum();
   return {s, g};
 }
 

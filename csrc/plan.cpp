@@ -40,10 +40,9 @@ double estimated_seconds(const Plan& plan, const Problem& p, const ArchConstants
   const double gemm_flops = (grads ? 6.0 : 2.0) * static_cast<double>(plan.rows) * p.D * p.V;
   const int64_t blocks = plan.block_rows > 0 ? cdiv(plan.rows, plan.block_rows) : 0;
   const int64_t slices = plan.tile_cols > 0 ? cdiv(p.V, plan.tile_cols) : 1;
-  const double dw_bytes =
-      grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
-          ? grad_weight_sum_bytes(p, plan.logits_dtype, plan.grad_weight_dtype, plan.grad_weight_group, blocks)
-          : 0.0;
+  const double dw_bytes = grads && blocks > 1 && plan.grad_weight_dtype != at::ScalarType::Undefined
+                              ? (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(plan.grad_weight_dtype)
+                              : 0.0;
   // the backward's vocabulary slices sum dX in float32 (the forward with gradient's are not weighed here)
   const double dx_bytes =
       plan.pass == Pass::Backward && slices > 1 ? (slices - 1) * 2.0 * plan.rows * p.D * sizeof(float) : 0.0;
@@ -157,7 +156,6 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"logits_scale", plan.logits_scale},
       {"grad_input_dtype", dtype(plan.grad_input_dtype)},
       {"grad_weight_dtype", dtype(plan.grad_weight_dtype)},
-      {"grad_weight_group", plan.grad_weight_group},
       {"grad_scale", plan.grad_scale},
       {"rank_one_smoothing", plan.rank_one_smoothing},
       {"rows_on_device", plan.rows_on_device},

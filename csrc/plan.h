@@ -63,11 +63,6 @@ struct Plan {
   // Dtypes the gradients accumulate in across blocks (Undefined for the loss-only forward).
   at::ScalarType grad_input_dtype = at::ScalarType::Undefined;
   at::ScalarType grad_weight_dtype = at::ScalarType::Undefined;
-  // Where dW's row blocks are summed in float32 (grad_weight_dtype float32 beyond input_dtype_accumulations
-  // blocks of bf16 or float16): the blocks add into dW in its own dtype, and every grad_weight_group blocks that
-  // sum is added into the float32 accumulator, the result rounded once (WeightGradSum, blocks.h). Each block then
-  // re-reads and re-writes dW in 2 bytes an element, not 4. 0: every block adds into grad_weight_dtype itself.
-  int64_t grad_weight_group = 0;
   // A scalar loss's float16 gradient blocks hold the logit gradients times this power of two: at unit scale
   // (~p / N, 5e-10 at N = 16384, V = 128256) they would fall below float16's smallest subnormal before a
   // loss scaler's factor (torch.amp.GradScaler) could reach them. The coefficients are multiplied by it

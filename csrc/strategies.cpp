@@ -83,33 +83,6 @@ at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::Sca
   return blocks > input_dtype_accumulations(dtype) && !lean ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
-// Each block after the first re-reads and re-writes V x D in the dtype it adds in; with groups, each group's sum
-// after the first is read once more and added into the float32 accumulator (read and written), and the last
-// group's rounded into dW with it (about as much).
-}  // namespace
-
-int64_t grad_weight_group(at::ScalarType dtype, at::ScalarType weight_dtype) {
-  const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
-  return reduced && weight_dtype == at::kFloat ? input_dtype_accumulations(dtype) : 0;
-}
-
-double grad_weight_sum_bytes(const Problem& p, at::ScalarType dtype, at::ScalarType weight_dtype, int64_t group,
-                             int64_t blocks) {
-  const double elements = static_cast<double>(p.V) * p.D;
-  const at::ScalarType adds_in = group > 0 ? dtype : weight_dtype;
-  const double block_bytes = (blocks - 1) * 2.0 * elements * c10::elementSize(adds_in);
-  if (group == 0) return block_bytes;
-  return block_bytes + (cdiv(blocks, group) - 1) * elements * (2.0 * sizeof(float) + c10::elementSize(dtype));
-}
-
-namespace {
-
-// dW's dtype and groups over `blocks` row blocks.
-void plan_grad_weight_sums(Plan& plan, const Problem& p, const LossOptions& o, int64_t blocks) {
-  plan.grad_weight_dtype = grad_weight_dtype(p, o, plan.logits_dtype, blocks);
-  plan.grad_weight_group = grad_weight_group(plan.logits_dtype, plan.grad_weight_dtype);
-}
-
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
 // The products run in the input dtype, as torch's F.linear (the weight is never converted: V x D beside it
 // would dwarf any budget), the softmax in the loss dtype; a block holds its rows' logits in the loss dtype, the
@@ -142,7 +115,7 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
     const int64_t float32_dw = p.V * p.D * int64_t{sizeof(float)};
     if (elem < math_bytes && !unit_float16 && cdiv(p.N, plan.block_rows) > input_dtype_accumulations(dtype) &&
         float32_dw <= plan.budget_bytes / 2) {
-      plan.grad_weight_dtype = at::kFloat;  // (each block's product in float32 too: no groups here)
+      plan.grad_weight_dtype = at::kFloat;
       accumulator_bytes = float32_dw;
       plan.block_rows = rows_within(plan.budget_bytes - accumulator_bytes);
     }
@@ -193,8 +166,7 @@ Tiles backward_tiles(const Problem& p, const LossOptions& o, const ArchConstants
   const at::ScalarType dtype = p.x.scalar_type();
   const auto moved_bytes = [&](int64_t rows, int64_t slices) {
     const int64_t blocks = cdiv(p.N, rows);
-    const at::ScalarType weight_dtype = grad_weight_dtype(p, o, dtype, blocks);
-    const double dw = grad_weight_sum_bytes(p, dtype, weight_dtype, grad_weight_group(dtype, weight_dtype), blocks);
+    const double dw = (blocks - 1) * 2.0 * p.V * p.D * c10::elementSize(grad_weight_dtype(p, o, dtype, blocks));
     return dw + (slices - 1) * 2.0 * p.N * p.D * sizeof(float);
   };
   Tiles best{row_block_rows, p.V};
@@ -301,7 +273,7 @@ void plan_backward_from_logits(Plan& plan, const KernelContext& k) {
   rest.N = k.p.N - plan.kept_rows;
   const int64_t kept_bytes = plan.kept_rows * k.p.V * int64_t{c10::elementSize(plan.logits_dtype)};
   k.backward_tiles_of(plan, rest, kept_bytes, k.balanced(rest.N, stored_logits_rows(rest, kept_bytes, k.gathered)));
-  plan_grad_weight_sums(plan, k.p, k.o, 1 + cdiv(rest.N, plan.block_rows));
+  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, 1 + cdiv(rest.N, plan.block_rows));
   plan.workspace_bytes = plan.kept_rows * k.gathered;  // beside the kept tensor: the kept block's x and dX rows
 }
 
@@ -314,7 +286,7 @@ void plan_backward(Plan& plan, const KernelContext& k) {
   // the gradient tiles from cuBLAS logits: row blocks (each row's dX written once) or slices
   k.backward_tiles_of(plan, k.p, plan.budget_bytes, k.balanced(k.p.N, k.capacity));
   plan.grad_input_dtype = plan.logits_dtype;
-  plan_grad_weight_sums(plan, k.p, k.o, cdiv(k.p.N, plan.block_rows));
+  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, cdiv(k.p.N, plan.block_rows));
 }
 
 void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
@@ -335,11 +307,10 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   } else {
     k.stored_logits(plan, rows);
   }
+  plan.grad_weight_dtype = grad_weight_dtype(p, k.o, plan.logits_dtype, cdiv(p.N, plan.block_rows));
   if (k.half) {  // gradient blocks at a scale, float32 gradients (Plan::grad_scale)
     plan.grad_scale = float16_grad_scale(p, k.o);
     plan.grad_input_dtype = plan.grad_weight_dtype = at::kFloat;
-  } else {
-    plan_grad_weight_sums(plan, p, k.o, cdiv(p.N, plan.block_rows));
   }
 }
 

@@ -46,15 +46,6 @@ inline const ArchConstants& arch_constants(int arch) {
   return *fallback;
 }
 
-// Blocks of bf16 or float16 products summed in dW's own dtype before each addition into its float32 accumulator
-// (Plan::grad_weight_group) where dW accumulates in `weight_dtype` float32: as many as that dtype keeps accurate;
-// 0 where dW adds in its own dtype throughout.
-int64_t grad_weight_group(at::ScalarType dtype, at::ScalarType weight_dtype);
-// Bytes dW's sum over `blocks` row blocks moves beyond the first block's write, its products in `dtype` added in
-// `weight_dtype`, in groups of `group` blocks where not 0 (Plan::grad_weight_group).
-double grad_weight_sum_bytes(const Problem& p, at::ScalarType dtype, at::ScalarType weight_dtype, int64_t group,
-                             int64_t blocks);
-
 // The plan's strategy, blocks, dtypes and workspace: the ATen path's (CPU, and CUDA devices without a fitting
 // cubin), and the embedded kernels'.
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
