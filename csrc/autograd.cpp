@@ -56,9 +56,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scaled_forward_grads(std::optiona
   if (!grad_loss.defined()) grad_loss = at::zeros({}, l.input.options().dtype(at::kFloat));
   const std::array<at::ScalarType, 3> dtypes{l.input.scalar_type(), l.weight.scalar_type(),
                                              l.bias.defined() ? l.bias.scalar_type() : at::kFloat};
+  // float16's dW comes times a power of two (linear_cross_entropy_with_grad's grad_weight_scale)
+  const bool weight_scaled = list.size() > 3 && list[3].numel() == 1;
   for (int i = 0; i < 3; ++i) {
     if (!mask[i]) continue;
-    if (list[i].scalar_type() == dtypes[i]) {
+    if (i == 1 && weight_scaled) {
+      scale_op.call(list[i], grad_loss / list[3]);
+    } else if (list[i].scalar_type() == dtypes[i]) {
       scale_op.call(list[i], grad_loss);
     } else {
       at::Tensor rounded = at::empty_like(list[i], list[i].options().dtype(dtypes[i]));
@@ -95,10 +99,10 @@ struct CrossEntropyOp : torch::CustomClassHolder {
   variable_list with_grad(const Linear& l, const Mask& mask, variable_list* grads) const {
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
-    auto [loss, lse, entropy, argmax, gx, gw, gb] = o.apply([&](auto... options) {
+    auto [loss, lse, entropy, argmax, gx, gw, gb, gw_scale] = o.apply([&](auto... options) {
       return op.call(l.input, l.weight, target, optional(l.bias), weight, mask, options...);
     });
-    *grads = {gx, gw, gb};
+    *grads = {gx, gw, gb, gw_scale};
     return {loss, lse, entropy, argmax};
   }
 

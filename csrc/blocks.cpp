@@ -97,6 +97,19 @@ void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, 
   gemm_into(out.view({1, -1}), ones.narrow(1, 0, block.size(0)), block, /*accumulate=*/true, alpha);
 }
 
+std::pair<at::Tensor, at::Tensor> float16_weight_grad(const at::Tensor& grad_weight, double scale) {
+  if (scale > 0) {
+    const at::Tensor half = grad_weight.scalar_type() == at::kHalf ? grad_weight : grad_weight.to(at::kHalf);
+    return {half, at::full({}, scale, grad_weight.options().dtype(at::kFloat))};
+  }
+  const auto [lo, hi] = at::aminmax(grad_weight);
+  const at::Tensor largest = at::maximum(hi, lo.neg()).to(at::kFloat);
+  const at::Tensor power = at::exp2(at::clamp(at::floor(at::log2(largest.reciprocal() * 16384.0)), -64, 64));
+  at::Tensor half = at::empty(grad_weight.sizes(), grad_weight.options().dtype(at::kHalf));
+  at::mul_out(half, grad_weight, power);  // rounded once, no float32 temporary
+  return {half, power};
+}
+
 Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
   const auto opts = p.x.options();
   Grads g;

@@ -43,5 +43,10 @@ RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const 
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha = 1.0);
 // out += alpha * the column sums of block (the bias's gradient), `ones` a row of ones kept between calls.
 void add_column_sums(at::Tensor out, const at::Tensor& block, at::Tensor& ones, double alpha = 1.0);
+// float16's dW as linear_cross_entropy_with_grad returns it: (dW times a power of two in float16, that power
+// ([] float32 on dW's device)) from the executors' dW, held times Plan::grad_weight_scale (`scale` > 0: in float16
+// already, or in float32, then rounded once) or at unit scale in float32 (0: the power from its largest element,
+// 2^14 over it rounded down).
+std::pair<at::Tensor, at::Tensor> float16_weight_grad(const at::Tensor& grad_weight, double scale);
 
 }  // namespace fused_ce

@@ -34,6 +34,8 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   const auto dtype = loss_dtype(p);
   const auto gemm_dtype = plan.logits_dtype;
   const double unscale = 1.0 / plan.grad_scale;  // the gradient blocks' scale, divided out by the GEMMs
+  // dW's own scale (float16's, Plan::grad_weight_scale; 0: none yet, unit scale) applied by its GEMMs
+  const double weight_alpha = plan.grad_weight_scale > 0 ? plan.grad_weight_scale * unscale : unscale;
   Grads g = allocate_grads(p, plan, need);
   // With rank-one smoothing the kernel leaves out its terms:
   // dX -= logit_scale * gamma (x) u, dW -= logit_scale * cw (x) (x.T @ gamma),
@@ -92,7 +94,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       }
       scatter_input_grad(p, g.input, gx, r0);
     }
-    if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, unscale);
+    if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, weight_alpha);
     if (need[2]) add_column_sums(g.bias, block, ones, unscale);
   }
   return {s, g};

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "call.h"
@@ -125,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
   return call.grads(grads_from_kept_logits(call.shard(), call.o, call.plan, call.of_run(c), output_mask, logits));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
@@ -138,11 +139,21 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
   CoefficientSource source;
   source.fixed = call.of_run(unit);
   const auto [s, g] = forward_with_grad(call.shard(), call.o, call.plan, source, output_mask);
-  // float16's come back in float32 (loss.h): at unit scale, before the upstream gradient, float16 would
-  // lose them to underflow.
-  const auto [gx, gw, gb] = call.grads(g, input.scalar_type() == at::kHalf);
+  // float16's dX and db come back in float32, dW in float16 times a power of two (loss.h): at unit scale, before
+  // the upstream gradient, float16 would lose them to underflow.
+  const bool half = input.scalar_type() == at::kHalf;
+  auto [gx, gw, gb] = call.grads(g, half);
+  at::Tensor gw_scale = at::empty({0}, input.options().dtype(at::kFloat));
+  if (half) {
+    if (gw.numel() > 0) {
+      std::tie(gw, gw_scale) = float16_weight_grad(gw, call.plan.grad_weight_scale);
+    } else {
+      gw = gw.to(at::kHalf);
+      gw_scale = at::ones({}, gw_scale.options());
+    }
+  }
   const auto [lse, entropy, argmax] = call.outputs(s);
-  return {call.loss(s), lse, entropy, argmax, gx, gw, gb};
+  return {call.loss(s), lse, entropy, argmax, gx, gw, gb, gw_scale};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_policy_loss_with_grad(
@@ -196,9 +207,10 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
   const LossOptions o = LossOptions::from_ivalues(args.slice(6));
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
-  const CountedRows rows = prepare_targets(p, o, /*check=*/false, nullptr);
-  // (the kept passes: the rows the forward's kept tensor would have)
   const bool kept_pass = pass == Pass::BackwardFromLogits || pass == Pass::ForwardKeepingLogits;
+  const CountedRows rows = prepare_targets(p, o, /*check=*/false, nullptr, /*order_under_capture=*/false,
+                                           plan_reads_input_abs_max(p, o, pass));
+  // (the kept passes: the rows the forward's kept tensor would have)
   const std::optional<c10::SymInt> kept_rows =
       kept_pass ? kept_logit_rows(input, linear_weight, target, o) : std::nullopt;
   // (none kept: Backward's kept tensor has no rows, the forward plans every row)

@@ -68,13 +68,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
 
 // fused_ce::linear_cross_entropy_with_grad: (loss, lse, entropy, argmax, grad_input,
-// grad_linear_weight, grad_linear_bias) for a scalar reduction, the gradients
+// grad_linear_weight, grad_linear_bias, grad_weight_scale) for a scalar reduction, the gradients
 // being those of the loss itself (upstream gradient 1), computed from the same
 // logits as the loss where the plan allows: 6NDV flops instead of 8NDV. In the
-// arguments' dtypes, but float32 for float16 inputs: at unit scale float16
-// would lose them (~p / N) to underflow; the backward multiplies them by the
-// upstream gradient (a loss scaler's factor) and rounds once to float16.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+// arguments' dtypes, but for float16 inputs, which at unit scale would lose them (~p / N) to underflow,
+// grad_input and grad_linear_bias in float32 and grad_linear_weight in float16 times grad_weight_scale (a
+// power of two, [] float32: Plan::grad_weight_scale); the backward multiplies them by the upstream gradient (a
+// loss scaler's factor; over grad_weight_scale for dW, in place) and rounds dX and db once to float16.
+// grad_weight_scale is empty for other dtypes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));

@@ -150,7 +150,8 @@ TORCH_LIBRARY(fused_ce, m) {
   m.def(
       "linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
       "Tensor? weight, bool[3] output_mask" FUSED_CE_SCHEMA(
-          FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor, Tensor, Tensor)",
+          FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor, Tensor, Tensor, "
+          "Tensor grad_weight_scale)",
       {at::Tag::pt2_compliant_tag});
   m.def("linear_log_probs(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None" FUSED_CE_SCHEMA(
             FUSED_CE_LOG_PROB_OPTIONS)

@@ -131,6 +131,10 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
   return with_keeps(kept_pass || counted_rows_pay(selected, all, p) ? selected : all);
 }
 
+bool plan_reads_input_abs_max(const Problem& p, const LossOptions& o, Pass pass) {
+  return pass == Pass::ForwardWithGrad && p.x.scalar_type() == at::kHalf && !o.policy_loss;
+}
+
 std::vector<int64_t> kept_logit_rows_constants() {
   return {kDefaultCudaWorkspace, kMinKeptRows, kPartialBytesPer1024Columns};
 }
@@ -157,6 +161,7 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"grad_input_dtype", dtype(plan.grad_input_dtype)},
       {"grad_weight_dtype", dtype(plan.grad_weight_dtype)},
       {"grad_scale", plan.grad_scale},
+      {"grad_weight_scale", plan.grad_weight_scale},
       {"rank_one_smoothing", plan.rank_one_smoothing},
       {"rows_on_device", plan.rows_on_device},
       {"budget_bytes", plan.budget_bytes},

@@ -69,6 +69,14 @@ struct Plan {
   // (and by logits_scale), the dX and dW GEMMs divide it out (alpha) into float32 gradients, which the
   // backward multiplies by the upstream gradient with one rounding to float16. 1 elsewhere.
   double grad_scale = 1.0;
+  // float16's scalar cross-entropy: its dW is returned in float16 times this power of two (with it, as a tensor:
+  // linear_cross_entropy_with_grad), chosen from a bound on |dW| (float16_grad_weight_scale) so that it neither
+  // overflows nor, at unit scale (~p / sqrt(N)), falls into float16's subnormals; the backward multiplies by the
+  // upstream gradient over it in place. The dW GEMMs apply it, into float16 (grad_weight_dtype) up to
+  // input_dtype_accumulations row blocks (8 left dW at 1.9x torch eager's error), else into float32 (then rounded
+  // once). 0 where no bound is known (CUDA graph capture, a non-finite x, class-weighted 'sum', the ATen path): dW
+  // sums at unit scale in float32, the scale then taken from its largest element. 1 elsewhere.
+  double grad_weight_scale = 1.0;
   // Label smoothing with class weights and no softcap: each row's weighted logit
   // sum comes from u = w.T @ cw (two GEMVs) instead of a class-weight load per
   // logit, which costs several % at V = 128K; with the gradient in the forward
@@ -90,6 +98,9 @@ struct Plan {
 // tensor's rows (kept_logit_rows); where fewer than p.N, the plan's blocks and tiles are those of the other
 // rows, [kept, N), recomputed within the kept tensor's bytes.
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted = -1, int64_t kept = -1);
+// Whether that plan reads Problem::input_abs_max (float16's cross-entropy dW scale, Plan::grad_weight_scale), which
+// prepare_targets then brings with the count.
+bool plan_reads_input_abs_max(const Problem& p, const LossOptions& o, Pass pass);
 
 // The rows of logits a differentiated call of the per-token loss (reduction 'none') with these arguments keeps
 // between forward and backward (Pass::ForwardKeepingLogits, then Pass::BackwardFromLogits), on CUDA with the

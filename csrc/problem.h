@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <optional>
 
 #include "options.h"
@@ -30,6 +31,9 @@ struct Problem {
   // Under CUDA graph capture: the count of bad class indices ([1] int32 on the device), not read by the host;
   // the loss is made NaN where it is not 0 (loss.cpp). Undefined otherwise.
   at::Tensor unreported_bad_targets;
+  // The largest |x| over every row, read with the targets' count where asked for (prepare_targets: float16's
+  // forward with gradient, whose dW scale it bounds, Plan::grad_weight_scale); NaN where not read.
+  double input_abs_max = std::numeric_limits<double>::quiet_NaN();
   double logit_scale = 1.0;
   std::optional<double> softcap;
   // V: the classes of the loss (targets, class weights, label smoothing). The

@@ -1,6 +1,8 @@
 #include "targets.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <string>
@@ -64,7 +66,7 @@ CountedRows count_rows(const at::Tensor& target) {
 }  // namespace
 
 CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCoefficients* unit,
-                            bool order_under_capture) {
+                            bool order_under_capture, bool input_abs_max) {
   const at::Tensor raw = p.target;
   CountedRows rows;
   if (uses_row_kernels(p)) {
@@ -79,9 +81,20 @@ CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCo
       return rows;
     }
     if (check) report_captured_bad_targets(p);
+    // (queued before the read, so that the read waits for both)
+    at::Tensor extremes;
+    if (input_abs_max && p.N > 0) {
+      const auto [lo, hi] = at::aminmax(p.x);
+      extremes = at::stack({lo, hi}).to(at::kFloat);
+    }
     const at::Tensor host = counts.cpu();  // the one host read
     if (check && host[0].item<int>() != 0) bad_target_error(raw, o, p.V);
     rows.counted = host[1].item<int>();
+    if (extremes.defined()) {
+      const at::Tensor e = extremes.cpu();  // (done by now: no second wait)
+      const double lo = e[0].item<double>(), hi = e[1].item<double>();
+      p.input_abs_max = std::isnan(lo) || std::isnan(hi) ? lo + hi : std::max(-lo, hi);
+    }
     rows.order = order;
     return rows;
   }

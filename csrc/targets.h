@@ -31,7 +31,8 @@ struct CountedRows {
 // gradient coefficients of the scalar loss for an upstream gradient of 1. Without `check` (the backward's
 // preparation of targets the forward checked) the count is read all the same, outside capture. With
 // `order_under_capture` (and the row kernels), the order is written under capture too, where the count is not read.
+// With `input_abs_max` (and the row kernels, outside capture), the same read brings p.input_abs_max.
 CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCoefficients* unit,
-                            bool order_under_capture = false);
+                            bool order_under_capture = false, bool input_abs_max = false);
 
 }  // namespace fused_ce

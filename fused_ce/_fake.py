@@ -153,10 +153,12 @@ def _linear_cross_entropy_with_grad_fake(*args, **kwargs):
     )
     input = a["input"]
     outputs = _outputs(a, return_entropy=a["return_entropy"], return_argmax=a["return_argmax"])
-    grads = _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
-    if input.dtype == torch.float16:  # float32 until the backward scales them (csrc/loss.h)
-        grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
-    return (*outputs, *grads)
+    grad_input, grad_weight, grad_bias = _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
+    if input.dtype != torch.float16:
+        return (*outputs, grad_input, grad_weight, grad_bias, input.new_empty((0,), dtype=torch.float32))
+    # dX and db in float32 until the backward scales them, dW in float16 times a power of two (csrc/loss.h)
+    to_float32 = [g.new_empty(g.shape, dtype=torch.float32) for g in (grad_input, grad_bias)]
+    return (*outputs, to_float32[0], grad_weight, to_float32[1], input.new_empty((), dtype=torch.float32))
 
 
 @torch.library.register_fake("fused_ce::_scale_grad_")

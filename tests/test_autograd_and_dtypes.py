@@ -1,5 +1,7 @@
 """Autograd paths, dtypes, autocast, float16 range and determinism."""
 
+import math
+
 import pytest
 import torch
 
@@ -56,12 +58,24 @@ def test_class_weighted_smoothing_without_softcap(device, dtype, reduction):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16's gradients come back in float32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_with_grad_op_opcheck(device, dtype):
+    # float16's dX and db come back in float32, dW in float16 times a power of two (its last output)
     x, w, t, b = make_problem(24, 16, 40, device=device, bias=True, dtype=dtype)
-    args = (x, w, t, b, torch.rand(40, device=device), [True, True, True], "mean", -100, 0.1, 1e-3, 4.0, 1.0, None)
+    cw = torch.rand(40, device=device)
+    args = (x, w, t, b, cw, [True, True, True], "mean", -100, 0.1, 1e-3, 4.0, 1.0, None)
     torch.library.opcheck(torch.ops.fused_ce.linear_cross_entropy_with_grad.default, args)
-    assert all(g.dtype == torch.float32 for g in torch.ops.fused_ce.linear_cross_entropy_with_grad(*args)[4:])
+    *_, gx, gw, gb, gw_scale = torch.ops.fused_ce.linear_cross_entropy_with_grad(*args)
+    if dtype == torch.float32:
+        assert gx.dtype == gw.dtype == gb.dtype == torch.float32 and gw_scale.numel() == 0
+        return
+    assert gx.dtype == gb.dtype == torch.float32 and gw.dtype == torch.float16
+    assert gw_scale.shape == () and gw_scale.dtype == torch.float32 and gw_scale.device == x.device
+    assert gw_scale.item() == 2.0 ** round(math.log2(gw_scale.item()))  # a power of two: exact to divide out
+    wr = w.double().requires_grad_()
+    reference_loss(x.double(), wr, t, linear_bias=b.double(), weight=cw, label_smoothing=0.1, z_loss=1e-3,
+                   softcap=4.0).backward()  # fmt: skip
+    assert rel_err(gw.double() / gw_scale.item(), wr.grad) < 1e-2
     with pytest.raises(ValueError, match="reduction"):
         torch.ops.fused_ce.linear_cross_entropy_with_grad(*args[:6], "none", *args[7:])
 
@@ -121,8 +135,9 @@ def test_float16_logits_beyond_float16_range(device):
 def test_float16_gradients_under_a_loss_scale(device):
     # Mixed precision in float16 scales the loss (torch.amp.GradScaler) so that gradients ~ p / N stay
     # above float16's smallest subnormal. Formed at unit scale in the forward and stored in float16 they
-    # lost that (dX 2.6x torch's error on CPU): on CUDA the forward keeps them in float32, its float16 gradient
-    # blocks at a power-of-two scale (Plan.grad_scale), and the backward rounds once after the scale; on the CPU
+    # lost that (dX 2.6x torch's error on CPU): on CUDA the forward keeps dX in float32 and dW in float16 times a
+    # power of two (Plan.grad_weight_scale), its float16 gradient blocks at a power-of-two scale (Plan.grad_scale),
+    # and the backward rounds dX once after the scale, scales dW in place; on the CPU
     # the backward forms them at the upstream gradient's scale (csrc/ops.cpp, gradients_in_forward).
     N, D, V = (16384, 64, 2000) if device == "cpu" else (16384, 256, 32000)
     x, w, t, _ = make_problem(N, D, V, device=device, dtype=torch.float16)
@@ -131,7 +146,8 @@ def test_float16_gradients_under_a_loss_scale(device):
     if device == "cpu":
         assert plan.pass_ == "forward"
     else:
-        assert plan.pass_ == "forward_with_grad" and plan.grad_input_dtype == plan.grad_weight_dtype == torch.float32
+        assert plan.pass_ == "forward_with_grad" and plan.grad_input_dtype == torch.float32
+        assert plan.grad_weight_dtype == torch.float16 and plan.grad_weight_scale > 1  # (csrc/plan.h)
     xr, wr = leaves(x.double(), w.double())
     (reference_loss(xr, wr, t) * scale).backward()
     errors = {}

@@ -1,5 +1,6 @@
 """CUDA-only behaviour: the embedded kernels run (not the fallback), streams, big shapes."""
 
+import math
 import os
 import subprocess
 import sys
@@ -187,6 +188,61 @@ def test_float16_scaled_logits_over_blocks(reduction):
     (ref * scale).backward()
     assert rel_err(loss, ref) < 1e-3
     for got, eager, expected in ((xl.grad, xe.grad, xr.grad), (wl.grad, we.grad, wr.grad), (bl.grad, be.grad, br.grad)):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        assert rel_err(got, expected) <= 1.5 * rel_err(eager, expected) + 1e-4, (
+            rel_err(got, expected),
+            rel_err(eager, expected),
+        )
+
+
+FLOAT16_WEIGHT_GRAD_CASES = {
+    # name: (rows per block, options, change to the inputs)
+    "4 blocks": (512, {}, None),
+    "8 blocks: float32, then rounded": (256, {}, None),
+    "15 blocks": (128, {}, None),
+    "an outlier feature": (512, {}, "outlier"),
+    "sum": (512, dict(reduction="sum"), None),
+    "logit scale 8 with smoothing and z-loss": (512, dict(logit_scale=8.0, label_smoothing=0.1, z_loss=1e-3), None),
+    "inf in an ignored row: no bound": (512, {}, "inf"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLOAT16_WEIGHT_GRAD_CASES))
+def test_float16_weight_grad_at_its_scale(case):
+    # float16's dW comes back in float16 times a power of two chosen from a bound on |dW| (max|x| times the
+    # coefficients' sum, Plan.grad_weight_scale), summed in float16 over up to 4 row blocks and in float32 beyond;
+    # where there is no bound (an inf in an ignored row's x), summed at unit scale in float32 and scaled by its
+    # largest element. Finite, and within 1.5x of torch eager's float16 error against float64 under a loss scale.
+    rows, kw, change = FLOAT16_WEIGHT_GRAD_CASES[case]
+    N, D, V = 2000, 64, 3000  # (D: room for dW's float32 sum beside 128-row blocks, else a lean budget keeps float16)
+    x, w, t, _ = make_problem(N, D, V, dtype=torch.float16, device="cuda")
+    if change == "outlier":
+        x[:, 3] = 300.0  # one feature far out, as in the hidden states of large models
+    clean = x.clone()
+    if change == "inf":
+        t[7] = -100
+        x[7] = float("inf")
+    budget = (rows + 4) * V * 2
+    plan = fused_ce.plan(x, w, t, pass_="forward_with_grad", workspace_bytes=budget, **kw)
+    blocks = math.ceil(plan.rows / plan.block_rows)  # (the counted rows: 10% are ignored)
+    assert blocks == {512: 4, 256: 8, 128: 15}[rows] and plan.grad_input_dtype == torch.float32, plan
+    if change == "inf":
+        assert plan.grad_weight_scale == 0.0 and plan.grad_weight_dtype == torch.float32
+    else:
+        coefficients = plan.rows if kw.get("reduction") == "sum" else 1  # (the counted rows)
+        bound = clean.abs().max().item() * coefficients * max(1.0, kw.get("logit_scale", 1.0))
+        bound *= 1 + 200 * kw.get("z_loss", 0.0)
+        assert plan.grad_weight_scale == 2.0 ** math.floor(math.log2(16384 / bound))
+        assert plan.grad_weight_dtype == (torch.float16 if blocks <= 4 else torch.float32)
+    # a loss scaler's factor, within float16's range for the gradient itself (|dW| reaches max|x| * the scale)
+    scale = 64.0 if kw.get("reduction") == "sum" or change == "outlier" else 1024.0
+    xl, wl = (v.detach().clone().requires_grad_() for v in (x, w))
+    (fused_ce.linear_cross_entropy(xl, wl, t, workspace_bytes=budget, **kw) * scale).backward()
+    xe, we = (v.detach().clone().requires_grad_() for v in (clean, w))
+    (reference_loss(xe, we, t, **kw) * scale).backward()  # torch eager in float16, on the finite rows
+    xr, wr = (v.double().requires_grad_() for v in (clean, w))
+    (reference_loss(xr, wr, t, **kw) * scale).backward()
+    for got, eager, expected in ((xl.grad, xe.grad, xr.grad), (wl.grad, we.grad, wr.grad)):
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
         assert rel_err(got, expected) <= 1.5 * rel_err(eager, expected) + 1e-4, (
             rel_err(got, expected),

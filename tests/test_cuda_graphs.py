@@ -21,9 +21,9 @@ def eager_step(x, w, t):
     return loss.detach(), xg.grad, wg.grad
 
 
-def captured_step():
+def captured_step(dtype=torch.bfloat16):
     """A graph of fwd+bwd on static inputs (the whole-network capture pattern of torch's docs)."""
-    x, w, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda")
+    x, w, t, _ = make_problem(N, D, V, dtype=dtype, device="cuda")
     xs, ws, ts = x.clone().requires_grad_(), w.clone().requires_grad_(), t.clone()
 
     def step():
@@ -46,10 +46,12 @@ def captured_step():
     return graph, static_loss, xs, ws, ts
 
 
-def test_capture_and_replay_match_eager():
-    graph, loss, xs, ws, ts = captured_step()
+# float16: under capture no host read brings max|x|: dW's scale comes from its largest element (Plan.grad_weight_scale)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_capture_and_replay_match_eager(dtype):
+    graph, loss, xs, ws, ts = captured_step(dtype)
     for seed in range(3):  # fresh inputs copied into the static ones, then a replay
-        x, w, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda", seed=seed)
+        x, w, t, _ = make_problem(N, D, V, dtype=dtype, device="cuda", seed=seed)
         with torch.no_grad():
             xs.copy_(x)
             ws.copy_(w)
@@ -57,7 +59,7 @@ def test_capture_and_replay_match_eager():
         graph.replay()
         expected = eager_step(x, w, t)
         # eager computes the counted rows only (Plan.counted_rows_only), the capture every row (their count is
-        # data): the same values, rounded apart in bfloat16 (stale inputs would be O(1) off)
+        # data): the same values, rounded apart in bfloat16 or float16 (stale inputs would be O(1) off)
         for got, want in zip((loss, xs.grad, ws.grad), expected):
             assert rel_err(got.float(), want.float()) < 1e-3, (seed, rel_err(got.float(), want.float()))
     every_row_counted = torch.randint(0, V, ts.shape, device="cuda")  # the same path both ways: equal

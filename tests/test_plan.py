@@ -104,9 +104,10 @@ def test_default_bf16_training_stores_logits(shape, rows):
 @cuda
 def test_float16_stores_scaled_logits():
     # float16 logits could overflow past 65504: cuBLAS stores them times 2^-8 (alpha), the row blocks as large
-    # as bfloat16's; a scalar loss's gradient blocks hold the gradient times 2^14 (no underflow at ~p / N)
-    # and the gradients come back in float32 for the backward to scale
+    # as bfloat16's; a scalar loss's gradient blocks hold the gradient times 2^14 (no underflow at ~p / N),
+    # dX comes back in float32 for the backward to scale, dW in float16 times a power of two from max|x|
     x, w, t = expanded(*C, torch.float16, "cuda", grad=True)
+    x = torch.full((1, 1), 1.0, dtype=torch.float16, device="cuda").expand(C[0], C[1]).requires_grad_()  # max|x| 1
     loss_only = fused_ce.plan(x, w, t, pass_="forward")
     assert (loss_only.strategy, loss_only.block_rows, loss_only.logits_scale) == ("stored_logits", 2048, 2.0**-8)
     plan = fused_ce.plan(x, w, t)
@@ -117,14 +118,15 @@ def test_float16_stores_scaled_logits():
         torch.float16,
         2.0**-8,
     )
-    assert plan.grad_input_dtype == plan.grad_weight_dtype == torch.float32 and plan.grad_scale == 2.0**14
+    assert plan.grad_input_dtype == torch.float32 and plan.grad_scale == 2.0**14
+    assert plan.grad_weight_dtype == torch.float16 and plan.grad_weight_scale == 2.0**14  # 2^14 / max|x|
     assert fused_ce.plan(x, w, t, reduction="sum", weight=torch.ones(C[2], device="cuda")).grad_scale == 1.0
     assert fused_ce.plan(x, w, t, z_loss=1e-2).grad_scale == 2.0**12  # room for 2 z |lse| up to |lse| = 100
     recompute = fused_ce.plan(x, w, t, pass_="backward")  # the upstream gradient in its coefficients: unit scale
     assert recompute.strategy == "vocab_tiles" and recompute.grad_scale == 1.0
     assert recompute.logits_scale == 2.0**-8 and recompute.grad_input_dtype == torch.float16
     bf16 = fused_ce.plan(*expanded(*C, torch.bfloat16, "cuda", grad=True))
-    assert bf16.grad_scale == bf16.logits_scale == 1.0
+    assert bf16.grad_scale == bf16.logits_scale == bf16.grad_weight_scale == 1.0
 
 
 @cuda
