@@ -106,7 +106,7 @@ def test_float16_stores_scaled_logits():
     # float16 logits could overflow past 65504: cuBLAS stores them times 2^-8 (alpha), the row blocks as large
     # as bfloat16's; a scalar loss's gradient blocks hold the gradient times 2^14 (no underflow at ~p / N),
     # dX comes back in float32 for the backward to scale, dW in float16 times a power of two from max|x|
-    x, w, t = expanded(*C, torch.float16, "cuda", grad=True)
+    _, w, t = expanded(*C, torch.float16, "cuda", grad=True)
     x = torch.full((1, 1), 1.0, dtype=torch.float16, device="cuda").expand(C[0], C[1]).requires_grad_()  # max|x| 1
     loss_only = fused_ce.plan(x, w, t, pass_="forward")
     assert (loss_only.strategy, loss_only.block_rows, loss_only.logits_scale) == ("stored_logits", 2048, 2.0**-8)
