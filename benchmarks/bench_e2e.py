@@ -11,14 +11,16 @@ are side by side in one run:
 - ``fused_ce``: ``fused_ce.integrations.transformers.apply(model)``;
 
 each ``eager`` and ``compiled`` (``torch.compile(model)``, as the Trainer's ``torch_compile=True``: graph breaks
-allowed; ``compiled_backbone``: the decoder alone, the head and loss eager), with every token counted (``full``)
+allowed; ``compiled_backbone``: the decoder alone, the head and loss eager; ``compiled_causal``: the whole model
+with SDPA's causal flag kept, see ``keep_causal_sdpa_when_compiled``), with every token counted (``full``)
 and with the first half of every sequence a masked prompt (``half``). Tokens/s counts every input token; the peak
 is ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and AdamW's state included);
 ``--find-max-batch`` doubles the batch until a step runs out of memory and reports the largest that ran, eager only
-(a compiled model recompiles at each batch).
+(a compiled model recompiles at each batch); ``--attention-ms`` profiles one more step and reports its attention
+kernels' time.
 
     python benchmarks/bench_e2e.py [--methods transformers,liger,fused_ce] [--modes eager,compiled]
-        [--masks full,half] [--batch 4] [--seq 4096] [--steps 4] [--find-max-batch]
+        [--masks full,half] [--batch 4] [--seq 4096] [--steps 4] [--find-max-batch] [--attention-ms]
 
 Prints a table and writes bench_e2e{tag}.json / .png to --out.
 """
@@ -68,6 +70,34 @@ def build(method, tiny, device):
     return model.train()
 
 
+def keep_causal_sdpa_when_compiled():
+    """Let transformers skip the causal mask under torch.compile when nothing is padded, as it does in eager.
+
+    Before torch 2.14 dynamo reads ``torch.compiler.is_exporting()`` as True, so transformers' masking
+    (``masking_utils._ignore_causal_mask_sdpa``) builds an explicit ``[B, 1, T, T]`` mask in a compiled model and
+    SDPA leaves its flash kernel for a masked one (every head's step slower than eager). With no padding mask and a
+    square causal mask, ``is_causal=True`` is the same mask.
+    """
+    import inspect
+
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_causal_mask_sdpa
+    signature = inspect.signature(original)
+
+    def ignore_causal_mask(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        padding_mask, q_length, kv_length = list(bound.arguments.values())[:3]  # (named differently across versions)
+        rest = {k: v for k, v in bound.arguments.items() if k not in list(bound.arguments)[:3]}
+        if (padding_mask is None and q_length == kv_length and rest.get("local_attention_size") is None
+                and not any(isinstance(v, torch.Tensor) for v in rest.values())):  # fmt: skip
+            return True
+        return original(*args, **kwargs)
+
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
+
+
 def batch_of(batch, seq, vocab, mask, device, seed=1):
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=g)
@@ -87,6 +117,9 @@ def run_one(setting, args):
         step_model = torch.compile(model)
     elif mode == "compiled_backbone":  # the decoder compiled, the head and its loss eager (where the time goes)
         model.model = torch.compile(model.model)
+    elif mode == "compiled_causal":  # torch.compile(model) with SDPA's is_causal kept, as in eager
+        keep_causal_sdpa_when_compiled()
+        step_model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     vocab = model.config.vocab_size
 
@@ -115,6 +148,14 @@ def run_one(setting, args):
                     loss=float(loss))  # fmt: skip
 
     result = dict(setting=setting, batch=args.batch, **timed(args.batch, args.steps, args.warmup))
+    if args.attention_ms and device == "cuda":  # one more step, profiled: the attention kernels' share
+        ids, labels = batch_of(args.batch, args.seq, vocab, mask, device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step(ids, labels)
+            torch.cuda.synchronize()
+        names = ("sdpa", "flash", "fmha", "attention")
+        result["attention_ms"] = sum(e.device_time_total for e in prof.key_averages()
+                                     if any(n in e.key.lower() for n in names)) / 1e3  # fmt: skip
     if args.find_max_batch and mode == "eager" and device == "cuda":
         largest, batch = args.batch, args.batch * 2
         while batch <= args.max_batch:
@@ -139,6 +180,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing (a compiled model compiles here)")
     parser.add_argument("--find-max-batch", action="store_true")
+    parser.add_argument("--attention-ms", action="store_true", help="profile one more step: its attention kernels' ms")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (to check the script, e.g. on CPU)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per setting")
@@ -153,7 +195,8 @@ def main():
                 for m in args.methods.split(",")]  # fmt: skip
     forwarded = [f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--batch={args.batch}",
                  f"--max-batch={args.max_batch}", *(["--tiny"] if args.tiny else []),
-                 *(["--find-max-batch"] if args.find_max_batch else [])]  # fmt: skip
+                 *(["--find-max-batch"] if args.find_max_batch else []),
+                 *(["--attention-ms"] if args.attention_ms else [])]  # fmt: skip
     results = []
     for setting in settings:
         command = [sys.executable, __file__, *forwarded, "--one", setting]
@@ -170,17 +213,20 @@ def main():
         print(json.dumps(results[-1]), flush=True)
 
     print()
-    print("| method | mode | labels | batch x seq | tokens/s | ms/step | peak GiB | largest batch | loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | mode | labels | batch x seq | tokens/s | ms/step | attention ms | peak GiB | largest batch "
+          "| loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         method, mode, mask = r["setting"].split("/")
         labels = "every token" if mask == "full" else "half masked"
         if "error" in r:
-            print(f"| {method} | {mode} | {labels} | {args.batch} x {args.seq} | {r['error']} | | | | |")
+            print(f"| {method} | {mode} | {labels} | {args.batch} x {args.seq} | {r['error']} | | | | | |")
             continue
         largest = r.get("largest_batch", "")
+        attention = f"{r['attention_ms']:.1f}" if "attention_ms" in r else ""
         print(f"| {method} | {mode} | {labels} | {r['batch']} x {args.seq} | {r['tokens_per_s']:,.0f} | "
-              f"{r['ms_per_step']:.0f} | {r['peak_gib']:.1f} | {largest} | {r['loss']:.4f} |")  # fmt: skip
+              f"{r['ms_per_step']:.0f} | {attention} | {r['peak_gib']:.1f} | {largest} | "
+              f"{r['loss']:.4f} |")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     environment = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,

@@ -104,7 +104,8 @@ std::pair<at::Tensor, at::Tensor> float16_weight_grad(const at::Tensor& grad_wei
   }
   const auto [lo, hi] = at::aminmax(grad_weight);
   const at::Tensor largest = at::maximum(hi, lo.neg()).to(at::kFloat);
-  const at::Tensor power = at::exp2(at::clamp(at::floor(at::log2(largest.reciprocal() * 16384.0)), -64, 64));
+  const at::Tensor power =
+      at::exp2(at::clamp(at::floor(at::log2(largest.reciprocal() * Plan::kFloat16WeightGradBound)), -64, 64));
   at::Tensor half = at::empty(grad_weight.sizes(), grad_weight.options().dtype(at::kHalf));
   at::mul_out(half, grad_weight, power);  // rounded once, no float32 temporary
   return {half, power};

@@ -93,7 +93,7 @@ Call::Call(const LossInputs& in, LossOptions options, Pass pass, const Targets& 
       weight_dtype_(in.linear_weight.scalar_type()) {
   const bool kept_pass = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
   const CountedRows prepared = prepare_targets(p, o, targets.check, targets.unit, /*order_under_capture=*/kept_pass,
-                                               plan_reads_input_abs_max(p, o, pass));
+                                               returns_scaled_float16_weight_grad(p, o, pass));
   if (kept_pass) {
     rows = kept_rows(p, prepared);
     run = kept_run(p, prepared, rows);

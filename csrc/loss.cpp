@@ -209,7 +209,7 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
   const bool kept_pass = pass == Pass::BackwardFromLogits || pass == Pass::ForwardKeepingLogits;
   const CountedRows rows = prepare_targets(p, o, /*check=*/false, nullptr, /*order_under_capture=*/false,
-                                           plan_reads_input_abs_max(p, o, pass));
+                                           returns_scaled_float16_weight_grad(p, o, pass));
   // (the kept passes: the rows the forward's kept tensor would have)
   const std::optional<c10::SymInt> kept_rows =
       kept_pass ? kept_logit_rows(input, linear_weight, target, o) : std::nullopt;

@@ -77,6 +77,9 @@ struct Plan {
   // once). 0 where no bound is known (CUDA graph capture, a non-finite x, class-weighted 'sum', the ATen path): dW
   // sums at unit scale in float32, the scale then taken from its largest element. 1 elsewhere.
   double grad_weight_scale = 1.0;
+  // The magnitude that scale holds float16's dW within, by the bound and by dW's largest element alike: a
+  // quarter of float16's largest, room for the roundings of its partial sums.
+  static constexpr double kFloat16WeightGradBound = 16384.0;
   // Label smoothing with class weights and no softcap: each row's weighted logit
   // sum comes from u = w.T @ cw (two GEMVs) instead of a class-weight load per
   // logit, which costs several % at V = 128K; with the gradient in the forward
@@ -98,9 +101,10 @@ struct Plan {
 // tensor's rows (kept_logit_rows); where fewer than p.N, the plan's blocks and tiles are those of the other
 // rows, [kept, N), recomputed within the kept tensor's bytes.
 Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted = -1, int64_t kept = -1);
-// Whether that plan reads Problem::input_abs_max (float16's cross-entropy dW scale, Plan::grad_weight_scale), which
-// prepare_targets then brings with the count.
-bool plan_reads_input_abs_max(const Problem& p, const LossOptions& o, Pass pass);
+// Whether that pass returns float16's dW times a power of two (the cross-entropy's forward with gradient, not the
+// policy loss's: Plan::grad_weight_scale), bounded by Problem::input_abs_max, which prepare_targets then reads
+// with the count.
+bool returns_scaled_float16_weight_grad(const Problem& p, const LossOptions& o, Pass pass);
 
 // The rows of logits a differentiated call of the per-token loss (reduction 'none') with these arguments keeps
 // between forward and backward (Pass::ForwardKeepingLogits, then Pass::BackwardFromLogits), on CUDA with the

@@ -50,18 +50,19 @@ double float16_grad_scale(const Problem& p, const LossOptions& o) {
   return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(1.0 + 200.0 * o.z_loss))));
 }
 
-// Plan::grad_weight_scale: the largest power of two S with S * |dW| <= 2^14 (a quarter of float16's largest,
-// room for the roundings of its partial sums), from |dW[v, d]| <= max|x| * sum_i |g[i, v]| and float16_grad_scale's
-// bound |g[i, v]| <= c_i * |logit_scale| * (1 + 200 z) (softcap's slope and smoothing's terms at most 1), where
-// sum_i c_i is 1 for 'mean' (class weights are not negative) and at most the rows for 'sum'. 0 (no bound) where
-// max|x| was not read or is not finite, and for 'sum' with class weights (c_i unbounded).
+// Plan::grad_weight_scale: the largest power of two S with S * |dW| <= Plan::kFloat16WeightGradBound, from |dW[v, d]|
+// <= max|x| * sum_i |g[i, v]| and float16_grad_scale's bound |g[i, v]| <= c_i * |logit_scale| * (1 + 200 z) (softcap's
+// slope and smoothing's terms at most 1), where sum_i c_i is 1 for 'mean' (class weights are not negative) and at most
+// the rows for 'sum'. 0 (no bound) where max|x| was not read or is not finite, and for 'sum' with class weights (c_i
+// unbounded).
 double float16_grad_weight_scale(const Problem& p, const LossOptions& o) {
   const bool sum = o.reduction_kind == Reduction::Sum;
   if (!std::isfinite(p.input_abs_max) || (sum && p.class_weight.defined())) return 0.0;
   const double coefficients = sum ? static_cast<double>(std::max<int64_t>(p.N, 1)) : 1.0;
   const double bound =
       p.input_abs_max * coefficients * std::max(1.0, std::abs(p.logit_scale)) * (1.0 + 200.0 * o.z_loss);
-  return std::ldexp(1.0, static_cast<int>(std::clamp(std::floor(std::log2(16384.0 / bound)), -64.0, 64.0)));
+  return std::ldexp(
+      1.0, static_cast<int>(std::clamp(std::floor(std::log2(Plan::kFloat16WeightGradBound / bound)), -64.0, 64.0)));
 }
 
 // Blocks of whole vocabulary rows re-read and re-write dW once per block beyond
@@ -115,8 +116,8 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
   plan.strategy = Strategy::AtenChunks;
   const at::ScalarType dtype = p.x.scalar_type(), math = loss_dtype(p);
   const bool unit_float16 = dtype == at::kHalf && plan.pass == Pass::ForwardWithGrad;
-  plan.logits_dtype = unit_float16 ? math : dtype;                   // the dtype of the products' operands
-  if (unit_float16 && !o.policy_loss) plan.grad_weight_scale = 0.0;  // (from dW's largest element: plan.h)
+  plan.logits_dtype = unit_float16 ? math : dtype;  // the dtype of the products' operands
+  if (returns_scaled_float16_weight_grad(p, o, plan.pass)) plan.grad_weight_scale = 0.0;  // (from dW's largest element)
   const int64_t math_bytes = c10::elementSize(math), elem = c10::elementSize(dtype);
   const bool temporary = p.softcap.has_value() || o.return_entropy;
   const int64_t row_bytes = p.V * (math_bytes + (elem < math_bytes ? elem : 0) + (temporary ? math_bytes : 0)) +
@@ -329,7 +330,8 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   if (k.half) {  // gradient blocks at a scale (Plan::grad_scale), dX in float32, dW at grad_weight_scale
     plan.grad_scale = float16_grad_scale(p, k.o);
     plan.grad_input_dtype = plan.grad_weight_dtype = at::kFloat;
-    if (!k.o.policy_loss) {  // (the policy loss's gradients stay float32: its coefficients have no bound)
+    if (returns_scaled_float16_weight_grad(p, k.o,
+                                           plan.pass)) {  // (not the policy loss: its coefficients have no bound)
       plan.grad_weight_scale = float16_grad_weight_scale(p, k.o);
       const bool in_float16 =
           cdiv(p.N, plan.block_rows) <= input_dtype_accumulations(at::kHalf) || lean_request(p, k.o);
