@@ -89,7 +89,7 @@ def keep_causal_sdpa_when_compiled():
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         padding_mask, q_length, kv_length = list(bound.arguments.values())[:3]  # (named differently across versions)
-        rest = {k: v for k, v in bound.arguments.items() if k not in list(bound.arguments)[:3]}
+        rest = dict(list(bound.arguments.items())[3:])
         if (padding_mask is None and q_length == kv_length and rest.get("local_attention_size") is None
                 and not any(isinstance(v, torch.Tensor) for v in rest.values())):  # fmt: skip
             return True

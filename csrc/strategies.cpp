@@ -330,8 +330,8 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   if (k.half) {  // gradient blocks at a scale (Plan::grad_scale), dX in float32, dW at grad_weight_scale
     plan.grad_scale = float16_grad_scale(p, k.o);
     plan.grad_input_dtype = plan.grad_weight_dtype = at::kFloat;
-    if (returns_scaled_float16_weight_grad(p, k.o,
-                                           plan.pass)) {  // (not the policy loss: its coefficients have no bound)
+    // (not the policy loss: its coefficients have no bound, its dW stays float32)
+    if (returns_scaled_float16_weight_grad(p, k.o, plan.pass)) {
       plan.grad_weight_scale = float16_grad_weight_scale(p, k.o);
       const bool in_float16 =
           cdiv(p.N, plan.block_rows) <= input_dtype_accumulations(at::kHalf) || lean_request(p, k.o);
