@@ -12,12 +12,12 @@ are side by side in one run:
 
 each ``eager`` and ``compiled`` (``torch.compile(model)``, as the Trainer's ``torch_compile=True``: graph breaks
 allowed; ``compiled_backbone``: the decoder alone, the head and loss eager; ``compiled_causal``: the whole model
-with SDPA's causal flag kept, see ``keep_causal_sdpa_when_compiled``), with every token counted (``full``)
-and with the first half of every sequence a masked prompt (``half``). Tokens/s counts every input token; the peak
-is ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and AdamW's state included);
-``--find-max-batch`` doubles the batch until a step runs out of memory and reports the largest that ran, eager only
-(a compiled model recompiles at each batch); ``--attention-ms`` profiles one more step and reports its attention
-kernels' time.
+with SDPA's causal flag kept, ``fused_ce.integrations.transformers.keep_causal_sdpa_when_compiled``), with every
+token counted (``full``) and with the first half of every sequence a masked prompt (``half``). Tokens/s counts
+every input token; the peak is ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and
+AdamW's state included); ``--find-max-batch`` doubles the batch until a step runs out of memory and reports the
+largest that ran, eager only (a compiled model recompiles at each batch); ``--attention-ms`` profiles one more step
+and reports its attention kernels' time.
 
     python benchmarks/bench_e2e.py [--methods transformers,liger,fused_ce] [--modes eager,compiled]
         [--masks full,half] [--batch 4] [--seq 4096] [--steps 4] [--find-max-batch] [--attention-ms]
@@ -70,34 +70,6 @@ def build(method, tiny, device):
     return model.train()
 
 
-def keep_causal_sdpa_when_compiled():
-    """Let transformers skip the causal mask under torch.compile when nothing is padded, as it does in eager.
-
-    Before torch 2.14 dynamo reads ``torch.compiler.is_exporting()`` as True, so transformers' masking
-    (``masking_utils._ignore_causal_mask_sdpa``) builds an explicit ``[B, 1, T, T]`` mask in a compiled model and
-    SDPA leaves its flash kernel for a masked one (every head's step slower than eager). With no padding mask and a
-    square causal mask, ``is_causal=True`` is the same mask.
-    """
-    import inspect
-
-    from transformers import masking_utils
-
-    original = masking_utils._ignore_causal_mask_sdpa
-    signature = inspect.signature(original)
-
-    def ignore_causal_mask(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        padding_mask, q_length, kv_length = list(bound.arguments.values())[:3]  # (named differently across versions)
-        rest = dict(list(bound.arguments.items())[3:])
-        if (padding_mask is None and q_length == kv_length and rest.get("local_attention_size") is None
-                and not any(isinstance(v, torch.Tensor) for v in rest.values())):  # fmt: skip
-            return True
-        return original(*args, **kwargs)
-
-    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
-
-
 def batch_of(batch, seq, vocab, mask, device, seed=1):
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=g)
@@ -118,6 +90,8 @@ def run_one(setting, args):
     elif mode == "compiled_backbone":  # the decoder compiled, the head and its loss eager (where the time goes)
         model.model = torch.compile(model.model)
     elif mode == "compiled_causal":  # torch.compile(model) with SDPA's is_causal kept, as in eager
+        from fused_ce.integrations.transformers import keep_causal_sdpa_when_compiled
+
         keep_causal_sdpa_when_compiled()
         step_model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

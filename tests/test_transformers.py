@@ -326,6 +326,60 @@ def test_compiled_before_any_eager_call_in_one_graph(how, dynamic):
         cls.forward = original
 
 
+def sdpa_calls_compiled(model, *args, **kwargs):
+    """(is_causal, attn_mask given) of every SDPA call in the graph torch.compile(fullgraph=True) traces, and the
+    loss."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                calls.append((node.kwargs.get("is_causal"), node.kwargs.get("attn_mask") is not None))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+    return calls, out.loss
+
+
+def test_keep_causal_sdpa_when_compiled(monkeypatch):
+    # Where transformers drops SDPA's causal flag under compile (4.x and 5.x to 5.17 always; 5.24 where dynamo
+    # reads torch.compiler.is_exporting() as true, torch before 2.13: made so here), the helper keeps it
+    # where nothing is padded, and only there; the loss is the eager one either way.
+    from transformers import masking_utils
+
+    from fused_ce.integrations.transformers import keep_causal_sdpa_when_compiled
+
+    original = masking_utils._ignore_causal_mask_sdpa
+    if hasattr(masking_utils, "is_torchdynamo_exporting"):
+        monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling)
+    model = apply(tiny_model("llama"))
+    model.config._attn_implementation = "sdpa"
+    ids, labels = batch("cpu")
+    want = model(input_ids=ids, labels=labels).loss
+    padded = torch.ones_like(ids)
+    padded[-1, -3:] = 0
+    want_padded = model(input_ids=ids, attention_mask=padded, labels=labels).loss
+    try:
+        calls, loss = sdpa_calls_compiled(model, input_ids=ids, labels=labels)
+        assert calls == [(False, True)] * 2  # the explicit mask: what the helper is for
+        torch.testing.assert_close(loss, want)
+        keep_causal_sdpa_when_compiled()
+        keep_causal_sdpa_when_compiled()  # idempotent
+        assert masking_utils._ignore_causal_mask_sdpa._fused_ce_original is original
+        calls, loss = sdpa_calls_compiled(model, input_ids=ids, labels=labels)
+        assert calls == [(True, False)] * 2
+        torch.testing.assert_close(loss, want)
+        calls, loss = sdpa_calls_compiled(model, input_ids=ids, attention_mask=padded, labels=labels)
+        assert calls == [(False, True)] * 2  # padded: the mask stays
+        torch.testing.assert_close(loss, want_padded)
+        assert model(input_ids=ids, labels=labels).loss.item() == want.item()  # eager unchanged
+    finally:
+        keep_causal_sdpa_when_compiled(enabled=False)
+    assert masking_utils._ignore_causal_mask_sdpa is original
+    torch._dynamo.reset()
+
+
 def test_pickle_and_torch_save_of_a_called_patched_model():
     # a bound method pickles by name: the head's `_head_forward` failed to load and the model's forward would
     # have loaded as the class's own, unpatched

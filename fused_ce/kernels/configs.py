@@ -73,7 +73,9 @@ def config(family: str, arch: int, dtype: str):
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping
-        return RowConfig(1024, 4)
+        # 4096 rows a step: the first GEMM waits on prepare_rows' counts (a host read), and at 1024 rows a step
+        # its serial steps took 94 us at 16384 rows on the H200 (44 us now; LOG.md, step 48)
+        return RowConfig(4096, 16)
     if family == "row_sweeps":  # one program per row sweeping its stored logits (distill_rows)
         return RowConfig(1024, 4)
     if family == "combine":  # a few KB of partials per row: many small programs
