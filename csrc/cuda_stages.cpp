@@ -117,6 +117,16 @@ const std::vector<const char*>& kernels_in_dtype(const char* dtype) {
   return it == table.end() ? none : it->second;
 }
 
+// A flavor of a pass over stored logits (spec.py): the softcap and label smoothing are the "_transforms" flavors,
+// compiled out of the others (their branches' registers cost the plain passes 18-33% of their speed).
+const KernelVariant& stored_logits_flavor(std::string kernel, bool transforms, const Problem& p,
+                                          const at::Tensor& logits) {
+  if (transforms) kernel += "_transforms";
+  const KernelVariant* v = select(kernel.c_str(), p, &logits);
+  TORCH_CHECK(v != nullptr, "fused_ce: no embedded kernel ", kernel, " for this device");
+  return *v;
+}
+
 }  // namespace
 
 bool cuda_kernels_disabled() {
@@ -241,7 +251,8 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
               "fused_ce: bad row buffer");
   // the entropy's and argmax's terms are a flavor of their own (spec.py: registers the plain kernels keep free)
   const bool extras = request.entropy || request.argmax;
-  const KernelVariant& tiles = *select(extras ? "logit_partials_extras" : "logit_partials", p, &logits);
+  const KernelVariant& tiles = stored_logits_flavor(extras ? "logit_partials_extras" : "logit_partials",
+                                                    p.softcap.has_value() || request.weighted_sums, p, logits);
   const int64_t segments = cdiv(p.V, tiles.block_v);
   const at::Tensor partials = at::empty({request.entropy ? 4 : 3, p.N, segments}, p.x.options().dtype(at::kFloat));
   const at::Tensor arg = request.argmax ? at::empty({p.N, segments}, p.target.options()) : at::Tensor();
@@ -291,7 +302,8 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
                        bool smoothing) {
   check_stored_logits(p, logits);
   check_row_output(p, lse);
-  const KernelVariant& v = *select(c.alpha_z.defined() ? "softmax_grad_entropy" : "softmax_grad", p, &logits);
+  const KernelVariant& v = stored_logits_flavor(c.alpha_z.defined() ? "softmax_grad_entropy" : "softmax_grad",
+                                                p.softcap.has_value() || smoothing, p, logits);
   const int64_t segments = cdiv(p.V, v.block_v);
   KernelArgs args;
   args.ptr("logits_ptr", logits)

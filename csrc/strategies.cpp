@@ -40,14 +40,16 @@ int64_t stored_logits_rows(const Problem& p, int64_t budget, int64_t gathered_by
 }
 
 // Plan::grad_scale for float16 gradient blocks: a power of two s with s * |g| < 65504 for every logit
-// gradient g of a scalar loss at unit scale. |g| <= c * (1 + 2 z |lse|) plus smoothing's smaller term,
-// where the row's coefficient c is at most 1 for 'mean' (its class weight over the sum of all counted
-// rows' ones) and for 'sum' without class weights; 2^14 leaves room for the z-loss term up to |lse| = 100.
+// gradient g of a scalar loss at unit scale. |g| <= c * |logit_scale| * (1 + 2 z |lse|) plus smoothing's smaller
+// term, where the row's coefficient c is at most 1 for 'mean' (its class weight over the sum of all counted
+// rows' ones) and for 'sum' without class weights; 2^14 leaves room for the z-loss term up to |lse| = 100
+// (a logit scale above 1 takes its powers of two off: a single counted row reaches c = 1).
 // 'sum' with class weights has c = the weight itself, unbounded: unit scale; so has the policy loss (its
 // advantages have no bound).
 double float16_grad_scale(const Problem& p, const LossOptions& o) {
   if ((o.reduction_kind == Reduction::Sum && p.class_weight.defined()) || o.policy_loss) return 1.0;
-  return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(1.0 + 200.0 * o.z_loss))));
+  const double bound = std::max(1.0, std::abs(p.logit_scale)) * (1.0 + 200.0 * o.z_loss);
+  return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(bound))));
 }
 
 // Plan::grad_weight_scale: the largest power of two S with S * |dW| <= Plan::kFloat16WeightGradBound, from |dW[v, d]|

@@ -195,6 +195,31 @@ def test_float16_scaled_logits_over_blocks(reduction):
         )
 
 
+def test_float16_gradient_blocks_leave_room_for_the_logit_scale():
+    # One counted row of a mean loss has coefficient 1, so its logit gradient reaches |logit_scale|: at 8, the
+    # gradient blocks' 2^14 overflowed float16 (8 * 2^14 > 65504) and dX and dW came back inf; the scale takes
+    # the logit scale's powers of two off (2^11).
+    N, D, V = 8, 64, 3000
+    x, w, t, _ = make_problem(N, D, V, dtype=torch.float16, device="cuda", ignore_frac=0.0)
+    t[1:] = -100  # one counted row
+    kw = dict(logit_scale=8.0)
+    plan = fused_ce.plan(x, w, t, pass_="forward_with_grad", **kw)
+    assert plan.grad_scale == 2.0**11 and plan.grad_input_dtype == torch.float32, plan
+    assert fused_ce.plan(x, w, t, pass_="forward_with_grad", logit_scale=0.25).grad_scale == 2.0**14
+    xl, wl = (v.detach().clone().requires_grad_() for v in (x, w))
+    fused_ce.linear_cross_entropy(xl, wl, t, **kw).backward()
+    xe, we = (v.detach().clone().requires_grad_() for v in (x, w))
+    reference_loss(xe, we, t, **kw).backward()  # torch eager in float16
+    xr, wr = (v.double().requires_grad_() for v in (x, w))
+    reference_loss(xr, wr, t, **kw).backward()
+    for got, eager, expected in ((xl.grad, xe.grad, xr.grad), (wl.grad, we.grad, wr.grad)):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        assert rel_err(got, expected) <= 1.5 * rel_err(eager, expected) + 1e-4, (
+            rel_err(got, expected),
+            rel_err(eager, expected),
+        )
+
+
 FLOAT16_WEIGHT_GRAD_CASES = {
     # name: (rows per block, options, change to the inputs)
     "4 blocks": (512, {}, None),

@@ -162,7 +162,7 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
             dict(cw_ptr=_placeholder(target, class_weight), pm_ptr=partials[0], ps_ptr=partials[1],
                  pw_ptr=partials[2], pe_ptr=partials[3], pa_ptr=arg, N=N, V=V, segments=segments,
                  has_class_weight=int(class_weight is not None), **common),
-            **_tile_meta(cfg, logits), EXTRAS=entropy or argmax)
+            **_tile_meta(cfg, logits), EXTRAS=entropy or argmax, TRANSFORMS=softcap is not None or smoothing)
     cfg = _config(_combine_partials, logits, combine_config)
     stats = torch.empty(5, N, dtype=torch.float32, device=logits.device)
     am = torch.empty(N, dtype=torch.int64, device=logits.device)
@@ -191,7 +191,7 @@ def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offs
                  alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, alpha_z_ptr=_placeholder(alpha, alpha_z),
                  N=N, V=V, segments=segments, col_offset=col_offset, has_class_weight=int(class_weight is not None),
                  **_transform_args(logits, logit_scale, softcap, smoothing)),
-            **_tile_meta(cfg, logits), ALPHA_Z=alpha_z is not None)
+            **_tile_meta(cfg, logits), ALPHA_Z=alpha_z is not None, TRANSFORMS=softcap is not None or smoothing)
     return logits
 
 

@@ -5,7 +5,8 @@ reads one BLOCK_R x BLOCK tile once, transforms it (logit_scale, softcap) and
 writes, per row of the tile, the tile's max, its sum of ``exp(z - max)`` and,
 for label smoothing, its (class-weighted) sum of z: partials[row, segment]; for the
 entropy, its sum of ``exp(z - max) * (z - max)``, and for the argmax the column of
-the tile's max (the first one on ties).
+the tile's max (the first one on ties). The softcap and the smoothing's sums are the
+TRANSFORMS flavors' only: their runtime branches cost the others registers.
 Tiles rather than whole rows per program: no serial loop along the row, so
 every program's loads are in flight at once and the pass runs at streaming
 bandwidth. combine_partials.py reduces the segments.
@@ -29,7 +30,13 @@ SPEC = KernelSpec(
     family="stored_logits",
     # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (LOG.md, step 14)
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),
-    flavors=(("extras", (("EXTRAS", True), ("BLOCK_R", 2))),),  # the entropy's and argmax's partials, half the rows
+    # The entropy's and argmax's partials (half the rows), and the softcap and label smoothing ("transforms"): the
+    # plain kernel compiles both out (their registers took 18% of its speed and 29% of the entropy's; LOG step 50)
+    flavors=(
+        ("transforms", (("TRANSFORMS", True),)),
+        ("extras", (("EXTRAS", True), ("BLOCK_R", 2))),
+        ("extras_transforms", (("EXTRAS", True), ("TRANSFORMS", True), ("BLOCK_R", 2))),
+    ),
 )
 
 
@@ -40,6 +47,7 @@ def logit_partials_kernel(
     logit_scale, softcap,
     has_class_weight, has_softcap, has_smoothing, has_entropy, has_argmax,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr, EXTRAS: tl.constexpr,
+    TRANSFORMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     seg = pid % segments
@@ -48,7 +56,10 @@ def logit_partials_kernel(
     row_mask = rows < N
     mask = row_mask[:, None] & (cols < V)[None, :]
     ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
-    z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
+    if TRANSFORMS:
+        z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
+    else:  # has_softcap and has_smoothing are 0
+        z = load_logits(ptrs, mask, logit_scale, softcap, 0, FAST_TANH)
     m = tl.max(tl.where(mask, z, float("-inf")), axis=1)
     m = tl.where(row_mask, m, 0.0)  # rows past the block: keep them finite, they are not stored
     out = rows * segments + seg
@@ -63,8 +74,9 @@ def logit_partials_kernel(
     tl.store(ps_ptr + out, s, mask=row_mask)
     if EXTRAS and has_entropy:  # (where exp(z - m) is 0, z - m may be -inf or NaN: 0 is its term)
         tl.store(pe_ptr + out, tl.sum(tl.where(mask & (e > 0.0), e * d, 0.0), axis=1), mask=row_mask)
-    if has_smoothing:
-        zc = tl.where(mask, z, 0.0)
-        if has_class_weight:
-            zc = zc * tl.load(cw_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
-        tl.store(pw_ptr + out, tl.sum(zc, axis=1), mask=row_mask)
+    if TRANSFORMS:  # (the smoothing only in the _transforms flavors)
+        if has_smoothing:
+            zc = tl.where(mask, z, 0.0)
+            if has_class_weight:
+                zc = zc * tl.load(cw_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+            tl.store(pw_ptr + out, tl.sum(zc, axis=1), mask=row_mask)

@@ -5,7 +5,9 @@ With the row's lse from combine_partials.py, each program reads one
 BLOCK_R x BLOCK tile of raw logits and overwrites it with
 ``dL/dlogit = logit_scale * softcap'(z) * (p * (alpha + alpha_z * log p) - beta * onehot - gamma * cw)``
 where ``alpha = alpha0 + alpha_lse * lse`` (the z-loss term needs the lse) and ``alpha_z`` is the
-entropy's term (the flavor ALPHA_Z; the entropy's gradient is ``-p * (log p + H)``).
+entropy's term (the flavor ALPHA_Z; the entropy's gradient is ``-p * (log p + H)``). The softcap and the
+label smoothing (``gamma``) are honoured by the TRANSFORMS flavors only: their runtime branches cost the
+others registers.
 The block may be a vocabulary slice starting at column ``col_offset`` (lean
 workspaces, Strategy::VocabTiles in csrc/plan.h): targets are absolute class indices, ``cw_ptr`` points at
 the slice's first class weight. Programs run in the reverse order of
@@ -30,7 +32,13 @@ SPEC = KernelSpec(
     ),
     family="stored_logits",
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),  # V: see logit_partials.py
-    flavors=(("entropy", (("ALPHA_Z", True), ("BLOCK_R", 2))),),  # the entropy's gradient term, half the rows
+    # The entropy's gradient term (half the rows), and the softcap and label smoothing ("transforms"): the plain
+    # kernel compiles both out (their registers took a third of its speed; LOG step 50)
+    flavors=(
+        ("transforms", (("TRANSFORMS", True),)),
+        ("entropy", (("ALPHA_Z", True), ("BLOCK_R", 2))),
+        ("entropy_transforms", (("ALPHA_Z", True), ("TRANSFORMS", True), ("BLOCK_R", 2))),
+    ),
 )
 
 
@@ -42,6 +50,7 @@ def softmax_grad_kernel(
     logit_scale, softcap,
     has_class_weight, has_softcap, has_smoothing,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr, ALPHA_Z: tl.constexpr,
+    TRANSFORMS: tl.constexpr,
 ):
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     seg = pid % segments
@@ -63,7 +72,10 @@ def softmax_grad_kernel(
     tgt = tl.where(tgt < 0, BLOCK, tgt)
 
     ptrs = logits_ptr + rows[:, None] * stride_ln + cols[None, :]
-    z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
+    if TRANSFORMS:
+        z = load_logits(ptrs, mask, logit_scale, softcap, has_softcap, FAST_TANH)
+    else:  # has_softcap and has_smoothing are 0
+        z = load_logits(ptrs, mask, logit_scale, softcap, 0, FAST_TANH)
     p = tl.exp(z - lse[:, None])
     g = p * alpha[:, None] - tl.where(tl.arange(0, BLOCK)[None, :] == tgt[:, None], beta[:, None], 0.0)
     if ALPHA_Z:
@@ -71,15 +83,16 @@ def softmax_grad_kernel(
         active = active | (alpha_z != 0.0)
         # alpha_z * log p (no cancellation at large z); p log p is 0 where p is (-inf logits)
         g += tl.where(p > 0.0, p * alpha_z[:, None] * (z - lse[:, None]), 0.0)
-    if has_smoothing:  # gamma is zero without label smoothing: skip its loads
-        gamma = tl.load(gamma_ptr + rows, mask=row_mask, other=0.0)
-        active = active | (gamma != 0.0)
-        if has_class_weight:
-            g -= gamma[:, None] * tl.load(cw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        else:
-            g -= gamma[:, None]
-    if has_softcap:
-        t = z * (1.0 / softcap)  # tanh of the pre-cap logit
-        g = g * (1.0 - t * t)
+    if TRANSFORMS:  # (the smoothing and the softcap only in the _transforms flavors)
+        if has_smoothing:  # gamma is zero without label smoothing: skip its loads
+            gamma = tl.load(gamma_ptr + rows, mask=row_mask, other=0.0)
+            active = active | (gamma != 0.0)
+            if has_class_weight:
+                g -= gamma[:, None] * tl.load(cw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            else:
+                g -= gamma[:, None]
+        if has_softcap:
+            t = z * (1.0 / softcap)  # tanh of the pre-cap logit
+            g = g * (1.0 - t * t)
     g = tl.where(active[:, None], g * logit_scale, 0.0)
     tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
