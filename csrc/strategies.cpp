@@ -39,30 +39,31 @@ int64_t stored_logits_rows(const Problem& p, int64_t budget, int64_t gathered_by
   return std::clamp<int64_t>(budget / (cuda_logits_row_bytes(p) + gathered_bytes), 1, std::max<int64_t>(p.N, 1));
 }
 
+// A bound on |g| / c for every logit gradient g of a row with coefficient c at unit scale: |logit_scale| (at
+// least 1) times 1 + 2 z |lse| for |lse| up to 100 (softcap's slope and smoothing's terms at most 1).
+double float16_logit_grad_bound(const Problem& p, const LossOptions& o) {
+  return std::max(1.0, std::abs(p.logit_scale)) * (1.0 + 200.0 * o.z_loss);
+}
+
 // Plan::grad_scale for float16 gradient blocks: a power of two s with s * |g| < 65504 for every logit
-// gradient g of a scalar loss at unit scale. |g| <= c * |logit_scale| * (1 + 2 z |lse|) plus smoothing's smaller
-// term, where the row's coefficient c is at most 1 for 'mean' (its class weight over the sum of all counted
-// rows' ones) and for 'sum' without class weights; 2^14 leaves room for the z-loss term up to |lse| = 100
-// (a logit scale above 1 takes its powers of two off: a single counted row reaches c = 1).
-// 'sum' with class weights has c = the weight itself, unbounded: unit scale; so has the policy loss (its
-// advantages have no bound).
+// gradient g of a scalar loss at unit scale: 2^14 over float16_logit_grad_bound, the row's coefficient c being
+// at most 1 for 'mean' (its class weight over the sum of all counted rows' ones; a single counted row reaches it)
+// and for 'sum' without class weights. 'sum' with class weights has c = the weight itself, unbounded: unit scale;
+// so has the policy loss (its advantages have no bound).
 double float16_grad_scale(const Problem& p, const LossOptions& o) {
   if ((o.reduction_kind == Reduction::Sum && p.class_weight.defined()) || o.policy_loss) return 1.0;
-  const double bound = std::max(1.0, std::abs(p.logit_scale)) * (1.0 + 200.0 * o.z_loss);
-  return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(bound))));
+  return std::ldexp(1.0, 14 - static_cast<int>(std::ceil(std::log2(float16_logit_grad_bound(p, o)))));
 }
 
 // Plan::grad_weight_scale: the largest power of two S with S * |dW| <= Plan::kFloat16WeightGradBound, from |dW[v, d]|
-// <= max|x| * sum_i |g[i, v]| and float16_grad_scale's bound |g[i, v]| <= c_i * |logit_scale| * (1 + 200 z) (softcap's
-// slope and smoothing's terms at most 1), where sum_i c_i is 1 for 'mean' (class weights are not negative) and at most
-// the rows for 'sum'. 0 (no bound) where max|x| was not read or is not finite, and for 'sum' with class weights (c_i
-// unbounded).
+// <= max|x| * sum_i |g[i, v]| and |g[i, v]| <= c_i * float16_logit_grad_bound, where sum_i c_i is 1 for 'mean'
+// (class weights are not negative) and at most the rows for 'sum'. 0 (no bound) where max|x| was not read or is
+// not finite, and for 'sum' with class weights (c_i unbounded).
 double float16_grad_weight_scale(const Problem& p, const LossOptions& o) {
   const bool sum = o.reduction_kind == Reduction::Sum;
   if (!std::isfinite(p.input_abs_max) || (sum && p.class_weight.defined())) return 0.0;
   const double coefficients = sum ? static_cast<double>(std::max<int64_t>(p.N, 1)) : 1.0;
-  const double bound =
-      p.input_abs_max * coefficients * std::max(1.0, std::abs(p.logit_scale)) * (1.0 + 200.0 * o.z_loss);
+  const double bound = p.input_abs_max * coefficients * float16_logit_grad_bound(p, o);
   return std::ldexp(
       1.0, static_cast<int>(std::clamp(std::floor(std::log2(Plan::kFloat16WeightGradBound / bound)), -64.0, 64.0)));
 }
