@@ -8,6 +8,8 @@ import math
 import os
 import platform
 import statistics
+import threading
+import time
 from datetime import date
 from pathlib import Path
 
@@ -52,6 +54,49 @@ def cuda_time_ms(fn, warmup, repeat):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class ClockSampler:
+    """The SM clock and the power drawn, sampled in a thread while the `with` block runs."""
+
+    def __enter__(self):
+        self.clocks, self.watts, self._stop = [], [], threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                try:
+                    self.clocks.append(torch.cuda.clock_rate())
+                    self.watts.append(torch.cuda.power_draw() / 1e3)
+                except Exception:  # no NVML: no samples
+                    return
+                time.sleep(0.005)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self):
+        med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+        return dict(sm_mhz=med(self.clocks), sm_mhz_min=min(self.clocks, default=float("nan")), watts=med(self.watts))
+
+
+def back_to_back_ms(fn, calls, repeat):
+    fn()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 

@@ -4,7 +4,7 @@
 #   [SKIP_BENCH=1] [WHEEL=1 (dist/*.whl present: test it instead of building)] \
 #   [WHEELS=1 (.wheels/before/*.whl and .wheels/after/*.whl present, built on a CPU-only machine against this torch: the CUDA
 #    tests on "after", then each line of $RUNS, "label|before or after (or sets joined by +)|script and arguments",
-#    timed (TESTS: pytest's arguments, TESTS_K its -k); other sets of wheels in .wheels/NAME/ go to their own site, NAME in $RUNS)] \
+#    timed (TESTS: pytest's arguments, TESTS_K its -k, by default the GPU's tests, 8 at a time); other sets of wheels in .wheels/NAME/ go to their own site, NAME in $RUNS)] \
 #     bash benchmarks/device_run.sh [bench.py arguments]
 # TP (two GPUs; the test suite has the NCCL test): the tensor-parallel example and benchmarks/bench_tp.py.
 # SANITIZE: compute-sanitizer memcheck and racecheck over CUDA tests (cuBLAS's kernels report hazards of their
@@ -40,8 +40,10 @@ if [ -n "${WHEELS:-}" ]; then
   repo=$(pwd)
   start=$(date +%s)
   if [ -z "${SKIP_TESTS:-}" ]; then
+    # (by default every test that runs on the GPU: `-m cuda` alone misses those parametrized on the device)
     (cd /tmp && PYTHONPATH=/tmp/site_after:${PYTHONPATH:-} timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
-      ${TESTS:--m cuda $repo/tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests_after.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -15)
+      ${TESTS:--n 8 $repo/tests} -k "${TESTS_K:-cuda or kept or tiles or distill_rows}" 2>&1 | tee "$OUT/tests_after.log" \
+      | grep -E "^FAILED|^ERROR|passed|failed" | tail -15)
     echo "tests: $(( $(date +%s) - start )) s"
   fi
   IFS=';' read -ra runs <<< "${RUNS:-}"
