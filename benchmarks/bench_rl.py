@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, make_inputs, workspace_gib
+from common import PEAK_TFLOPS, SHAPES, cuda_time_ms, environment, logits_gemms, make_inputs, workspace_gib
 
 
 def torch_log_probs(x, w, t, entropy=False):
@@ -238,24 +238,6 @@ def methods_for(workload):
     return table.get(workload, {})
 
 
-def logits_gemms(x, w, t):
-    """The logits GEMMs alone of fused_ce's no-grad forward: its row blocks (fused_ce.plan) of the counted rows,
-    each into one reused buffer, as the pass writes them before reading them once."""
-    import fused_ce
-
-    plan = fused_ce.plan(x, w, t, reduction="none", pass_="forward")
-    counted = x[t >= 0] if plan.counted_rows_only else x
-    buffer = torch.empty(plan.block_rows, w.shape[0], dtype=x.dtype, device=x.device)
-
-    def gemms(x_, w_, t_, adv):
-        for r0 in range(0, counted.shape[0], plan.block_rows):
-            block = counted[r0 : r0 + plan.block_rows]
-            torch.mm(block, w_.T, out=buffer[: block.shape[0]])
-        return buffer[0, 0].float()
-
-    return gemms
-
-
 def rl_inputs(t, sequences=8, seed=0):
     """Advantages (per token, and per sequence for GRPO: one per completion, broadcast to its tokens), old and
     reference log-probs near the policy's, and the token-mean weights."""
@@ -329,7 +311,8 @@ def main():
         flops = (8 if grad else 2) * N * D * V
         methods = methods_for(workload)
         if not grad:
-            methods["cuBLAS logits alone"] = logits_gemms(x, w, t)
+            gemms = logits_gemms(x, w, t)
+            methods["cuBLAS logits alone"] = lambda *_, gemms=gemms: gemms()
         for method, fn in methods.items():
             if args.methods and not any(m in method for m in args.methods.split(",")):
                 continue

@@ -100,6 +100,35 @@ def back_to_back_ms(fn, calls, repeat):
     return statistics.median(times)
 
 
+def logits_gemms(x, w, t):
+    """The logits GEMMs alone of fused_ce's no-grad forward, as a function of no arguments: its row blocks
+    (fused_ce.plan) of the counted rows, each into one reused buffer, as the pass writes them before reading them
+    once (the floor of a pass that reads nothing but its GEMMs' output)."""
+    import fused_ce
+
+    plan = fused_ce.plan(x, w, t, reduction="none", pass_="forward")
+    counted = x[t >= 0] if plan.counted_rows_only else x
+    buffer = torch.empty(plan.block_rows, w.shape[0], dtype=x.dtype, device=x.device)
+
+    def gemms():
+        for r0 in range(0, counted.shape[0], plan.block_rows):
+            block = counted[r0 : r0 + plan.block_rows]
+            torch.mm(block, w.T, out=buffer[: block.shape[0]])
+        return buffer[0, 0].float()
+
+    return gemms
+
+
+def grouped_bars(ax, labels, series, fontsize=None):
+    """One bar of each series ({name: a value per label}) side by side at each label, and the legend."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        offset = (i - (len(series) - 1) / 2) * width
+        ax.bar([j + offset for j in range(len(labels))], values, width=width, label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=fontsize)
+    ax.legend()
+
+
 def workspace_gib(step, leaves):
     """GiB that one call of ``step`` (fwd+bwd) allocates at its peak beyond what was allocated before it, less the
     gradients it leaves in ``leaves``' ``.grad``: what the method holds besides inputs and results."""

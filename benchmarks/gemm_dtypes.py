@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import SHAPES, ClockSampler, back_to_back_ms, environment
+from common import SHAPES, ClockSampler, back_to_back_ms, environment, grouped_bars
 
 
 def products(rows, D, V, dtype, seed=0, variants=False, float32_out=False):
@@ -93,12 +93,8 @@ def main():
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(runs["bfloat16"])
-    for i, dtype in enumerate(runs):
-        ax.bar([j + (i - 0.5) * 0.4 for j in range(len(names))], [by[(n, dtype)]["tflops"] for n in names],
-               width=0.4, label=dtype)  # fmt: skip
-    ax.set_xticks(range(len(names)), names)
+    grouped_bars(ax, names, {dtype: [by[(n, dtype)]["tflops"] for n in names] for dtype in runs})
     ax.set_ylabel("TFLOP/s (back to back)")
-    ax.legend()
     ax.set_title(f"cuBLAS, {args.rows}-row block of shape {args.shape} ({env['device']})")
     fig.tight_layout()
     fig.savefig(out / "gemm_dtypes.png", dpi=120)

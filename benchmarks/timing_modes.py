@@ -21,7 +21,16 @@ from pathlib import Path
 
 import torch
 
-from common import SHAPES, ClockSampler, back_to_back_ms, cuda_time_ms, environment, make_inputs
+from common import (
+    SHAPES,
+    ClockSampler,
+    back_to_back_ms,
+    cuda_time_ms,
+    environment,
+    grouped_bars,
+    logits_gemms,
+    make_inputs,
+)
 
 
 def graph_ms(fn, repeat):
@@ -39,7 +48,7 @@ def graph_ms(fn, repeat):
 
 
 def steps(x, w, t, workload):
-    """(the step, whether a graph of it does the same work): fused_ce's step, as trace.py runs it."""
+    """fused_ce's step, as trace.py runs it."""
     import fused_ce
 
     if workload == "forward":
@@ -61,22 +70,6 @@ def steps(x, w, t, workload):
             fused_ce.linear_cross_entropy(xl, wl, t).backward()
 
     return step
-
-
-def logits_gemms(x, w, t):
-    """The logits GEMMs of fused_ce's no-grad forward's row blocks, into one reused buffer."""
-    import fused_ce
-
-    plan = fused_ce.plan(x, w, t, reduction="none", pass_="forward")
-    counted = x[t >= 0] if plan.counted_rows_only else x
-    buffer = torch.empty(plan.block_rows, w.shape[0], dtype=x.dtype, device=x.device)
-
-    def gemms():
-        for r0 in range(0, counted.shape[0], plan.block_rows):
-            block = counted[r0 : r0 + plan.block_rows]
-            torch.mm(block, w.T, out=buffer[: block.shape[0]])
-
-    return gemms
 
 
 def timed(label, fn, args, graph):
@@ -144,13 +137,9 @@ def main():
         return
     fig, ax = plt.subplots(figsize=(10, 4))
     labels = [f"{r['shape']} {r['ignored']:.0%}\n{r['label'].replace('fused_ce ', '')}" for r in rows]
-    xs = range(len(rows))
-    for i, (key, name) in enumerate((("per_call_ms", "per call"), ("back_to_back_ms", "back to back"),
-                                     ("graph_ms", "graph replay"))):  # fmt: skip
-        ax.bar([v + (i - 1) * 0.27 for v in xs], [r[key] for r in rows], width=0.27, label=name)
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    modes = {"per call": "per_call_ms", "back to back": "back_to_back_ms", "graph replay": "graph_ms"}
+    grouped_bars(ax, labels, {name: [r[key] for r in rows] for name, key in modes.items()}, fontsize=7)
     ax.set_ylabel("ms per step")
-    ax.legend()
     ax.set_title(f"One step timed three ways ({env['device']}, torch {env['torch']})")
     fig.tight_layout()
     fig.savefig(out / "timing_modes.png", dpi=120)
