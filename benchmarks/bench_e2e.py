@@ -17,10 +17,11 @@ token counted (``full``) and with the first half of every sequence a masked prom
 every input token; the peak is ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and
 AdamW's state included); ``--find-max-batch`` doubles the batch until a step runs out of memory and reports the
 largest that ran, eager only (a compiled model recompiles at each batch); ``--attention-ms`` profiles one more step
-and reports its attention kernels' time.
+and reports its attention kernels' time, ``--head-ms`` the same step's head: its GEMMs (the products with an operand
+of the vocabulary's size) and its passes (the loss's kernels by name).
 
     python benchmarks/bench_e2e.py [--methods transformers,liger,fused_ce] [--modes eager,compiled]
-        [--masks full,half] [--batch 4] [--seq 4096] [--steps 4] [--find-max-batch] [--attention-ms]
+        [--masks full,half] [--batch 4] [--seq 4096] [--steps 4] [--find-max-batch] [--attention-ms] [--head-ms]
 
 Prints a table and writes bench_e2e{tag}.json / .png to --out.
 """
@@ -79,6 +80,37 @@ def batch_of(batch, seq, vocab, mask, device, seed=1):
     return ids, labels
 
 
+ATTENTION_KERNELS = ("sdpa", "flash", "fmha", "attention")
+# the loss's own kernels over logits-sized data: torch's and inductor's softmax / nll / logsumexp kernels, Liger's,
+# fused_ce's (its GEMMs are counted by their shapes instead)
+HEAD_PASS_KERNELS = ("softmax", "nll_loss", "logsumexp", "cross_entropy", "liger", "element_mul", "logit_partials",
+                     "combine_partials", "prepare_rows", "assemble_loss", "scale_kernel")  # fmt: skip
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+
+
+def profiled_kernel_ms(events, vocab):
+    """Where one profiled step's GPU time goes: every kernel, the attention kernels, the head's GEMMs (the products
+    with an operand of the vocabulary's size, whoever issues them: torch, inductor, Liger or fused_ce) and the
+    head's passes (the loss kernels by name), in ms; the ten longest kernels by name, to check the attribution."""
+    from torch.autograd import DeviceType
+
+    # (the GPU-side ranges of compiled graphs and of the optimizer's step are annotations, not kernels)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    by_name = {}
+    for k in kernels:
+        by_name[k.name] = by_name.get(k.name, 0.0) + k.device_time_total / 1e3
+    gemms = [e for e in events if e.device_type == DeviceType.CPU and e.name in GEMM_OPS
+             and any(vocab in (shape or []) for shape in e.input_shapes)]  # fmt: skip
+    return dict(
+        kernel_ms=sum(by_name.values()),
+        attention_ms=sum(ms for name, ms in by_name.items() if any(n in name.lower() for n in ATTENTION_KERNELS)),
+        head_gemm_ms=sum(e.device_time_total for e in gemms) / 1e3,
+        head_gemms=len(gemms),
+        head_pass_ms=sum(ms for name, ms in by_name.items() if any(n in name.lower() for n in HEAD_PASS_KERNELS)),
+        top_kernels=sorted(((round(ms, 3), name[:120]) for name, ms in by_name.items()), reverse=True)[:10],
+    )
+
+
 def run_one(setting, args):
     """One setting in this process: {tokens_per_s, peak_gib, loss, ...} (or an error), as a JSON line."""
     method, mode, mask = setting.split("/")
@@ -122,14 +154,13 @@ def run_one(setting, args):
                     loss=float(loss))  # fmt: skip
 
     result = dict(setting=setting, batch=args.batch, **timed(args.batch, args.steps, args.warmup))
-    if args.attention_ms and device == "cuda":  # one more step, profiled: the attention kernels' share
+    if (args.attention_ms or args.head_ms) and device == "cuda":  # one more step, profiled
         ids, labels = batch_of(args.batch, args.seq, vocab, mask, device)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
             step(ids, labels)
             torch.cuda.synchronize()
-        names = ("sdpa", "flash", "fmha", "attention")
-        result["attention_ms"] = sum(e.device_time_total for e in prof.key_averages()
-                                     if any(n in e.key.lower() for n in names)) / 1e3  # fmt: skip
+        result.update(profiled_kernel_ms(prof.events(), vocab))
     if args.find_max_batch and mode == "eager" and device == "cuda":
         largest, batch = args.batch, args.batch * 2
         while batch <= args.max_batch:
@@ -155,6 +186,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing (a compiled model compiles here)")
     parser.add_argument("--find-max-batch", action="store_true")
     parser.add_argument("--attention-ms", action="store_true", help="profile one more step: its attention kernels' ms")
+    parser.add_argument("--head-ms", action="store_true", help="profile one more step: the head's GEMMs and passes")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (to check the script, e.g. on CPU)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per setting")
@@ -170,7 +202,8 @@ def main():
     forwarded = [f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--batch={args.batch}",
                  f"--max-batch={args.max_batch}", *(["--tiny"] if args.tiny else []),
                  *(["--find-max-batch"] if args.find_max_batch else []),
-                 *(["--attention-ms"] if args.attention_ms else [])]  # fmt: skip
+                 *(["--attention-ms"] if args.attention_ms else []),
+                 *(["--head-ms"] if args.head_ms else [])]  # fmt: skip
     results = []
     for setting in settings:
         command = [sys.executable, __file__, *forwarded, "--one", setting]
@@ -187,20 +220,25 @@ def main():
         print(json.dumps(results[-1]), flush=True)
 
     print()
-    print("| method | mode | labels | batch x seq | tokens/s | ms/step | attention ms | peak GiB | largest batch "
-          "| loss |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | mode | labels | batch x seq | tokens/s | ms/step | attention ms | head GEMMs ms | head passes ms "
+          "| peak GiB | largest batch | loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         method, mode, mask = r["setting"].split("/")
         labels = "every token" if mask == "full" else "half masked"
         if "error" in r:
-            print(f"| {method} | {mode} | {labels} | {args.batch} x {args.seq} | {r['error']} | | | | | |")
+            print(f"| {method} | {mode} | {labels} | {args.batch} x {args.seq} | {r['error']} | | | | | | | |")
             continue
         largest = r.get("largest_batch", "")
-        attention = f"{r['attention_ms']:.1f}" if "attention_ms" in r else ""
+        profiled = [f"{r[k]:.1f}" if k in r else "" for k in ("attention_ms", "head_gemm_ms", "head_pass_ms")]
         print(f"| {method} | {mode} | {labels} | {r['batch']} x {args.seq} | {r['tokens_per_s']:,.0f} | "
-              f"{r['ms_per_step']:.0f} | {attention} | {r['peak_gib']:.1f} | {largest} | "
+              f"{r['ms_per_step']:.0f} | {' | '.join(profiled)} | {r['peak_gib']:.1f} | {largest} | "
               f"{r['loss']:.4f} |")  # fmt: skip
+    if args.head_ms:
+        config = TINY if args.tiny else LLAMA_3_2_1B
+        flops = 6 * args.batch * args.seq * config["hidden_size"] * config["vocab_size"]
+        print(f"\nthe head's 6NDV with every token counted: {flops / 1e12:.1f} TFLOP, {flops / 680e12 * 1e3:.1f} ms "
+              "at 680 TFLOP/s (the H200's sustained rate at its power limit)")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     environment = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
