@@ -1,5 +1,6 @@
 #include "cuda_driver.h"
 
+#include <ATen/ops/from_blob.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -23,6 +24,7 @@ using CUcontext = struct CUctx_st*;
 using CUmodule = struct CUmod_st*;
 using CUfunction = struct CUfunc_st*;
 using CUstream = struct CUstream_st*;
+using CUdeviceptr = uint64_t;                    // (cuda.h: unsigned long long, 64-bit)
 constexpr int kAttrMultiprocessorCount = 16;     // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 constexpr int kAttrComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 constexpr int kAttrComputeCapabilityMinor = 76;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
@@ -45,6 +47,7 @@ struct Driver {
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                              void**, void**);
   CUresult (*cuStreamIsCapturing)(CUstream, int*);
+  CUresult (*cuMemAlloc_v2)(CUdeviceptr*, size_t);
 };
 
 // Every driver entry point of Driver, bound by name when libcuda is loaded.
@@ -52,7 +55,7 @@ struct Driver {
 #define FCE_DRIVER_SYMBOLS(X)                                                                       \
   X(cuInit) X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGet) X(cuDeviceGetAttribute)            \
   X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuModuleLoadData)              \
-  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuStreamIsCapturing)
+  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuStreamIsCapturing) X(cuMemAlloc_v2)
 // clang-format on
 
 template <typename F>
@@ -196,6 +199,14 @@ bool stream_capturing(const at::Device& device) {
   // An error here (the legacy stream queried while another stream captures globally) means a capture is
   // under way too: no host read either way.
   return result != 0 || status != 0;
+}
+
+at::Tensor driver_allocated_counter(const at::Device& device) {
+  c10::DeviceGuard guard(device);
+  make_context_current(device.index());
+  CUdeviceptr ptr = 0;
+  FCE_CU(cuMemAlloc_v2(&ptr, sizeof(int32_t)));
+  return at::from_blob(reinterpret_cast<void*>(ptr), {1}, [](void*) {}, at::device(device).dtype(at::kInt)).zero_();
 }
 
 void launch(const KernelVariant& v, const at::Device& device, int64_t grid, const KernelArgs& args) {

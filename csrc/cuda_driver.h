@@ -58,6 +58,11 @@ const KernelVariant* find_variant(const char* kernel, const char* dtype, const c
 // (no host synchronisation allowed then).
 bool stream_capturing(const at::Device& device);
 
+// A zeroed int32 [1] on `device` in memory of the driver's own, outside torch's caching allocator (so never in a
+// CUDA graph's private pool, which a tensor allocated during a capture or CUDA graph trees' warm-up would be
+// in), never freed: a counter that outlives every graph that adds to it.
+at::Tensor driver_allocated_counter(const at::Device& device);
+
 // Launch `variant` with a 1-D grid on torch's current stream of `device`.
 void launch(const KernelVariant& variant, const at::Device& device, int64_t grid, const KernelArgs& args);
 

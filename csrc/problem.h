@@ -34,6 +34,13 @@ struct Problem {
   // The largest |x| over every row, read with the targets' count where asked for (prepare_targets: float16's
   // forward with gradient, whose dW scale it bounds, Plan::grad_weight_scale); NaN where not read.
   double input_abs_max = std::numeric_limits<double>::quiet_NaN();
+  // A class-weighted mean's row coefficients, read with input_abs_max: bounds on a counted row's |logit gradient|
+  // over float16_logit_grad_bound, the largest row's and their sum over the rows (1 and 1 for an unweighted mean),
+  // from the class weights and prepare_rows' totals; float16's scales take them (strategies.cpp). NaN where not
+  // read (under CUDA graph capture the scales take 1 and 1, which class weights of both signs summing near 0, or
+  // smoothing over counted rows whose weights are far below the classes', can exceed).
+  double coefficient_max = std::numeric_limits<double>::quiet_NaN();
+  double coefficient_sum = std::numeric_limits<double>::quiet_NaN();
   double logit_scale = 1.0;
   std::optional<double> softcap;
   // V: the classes of the loss (targets, class weights, label smoothing). The

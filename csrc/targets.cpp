@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda_driver.h"
 #include "cuda_stages.h"
@@ -15,8 +17,13 @@
 namespace fused_ce {
 namespace {
 
-// Bad class indices counted under CUDA graph capture, per device, for the next call outside capture to report.
-// Allocated under capture, so each replay counts afresh: the tally is the latest replay's.
+// Bad class indices counted under CUDA graph capture, per device, for the next call outside capture to report:
+// each replay adds its count, the report zeroes it. Made by the first checked call on the device outside capture
+// (a captured graph's warm-up), in the driver's memory: a tensor of torch's allocator made under capture, or in
+// CUDA graph trees' warm-up, lives in a graph's private pool, which torch.compile's graph trees require to hold
+// the graph's outputs alone (mode="reduce-overhead" failed where its capture was the process's first) and whose
+// memory a later graph takes over (a spurious report followed). A capture before any call outside it has no
+// tally: its replays' losses are still NaN, and nothing is reported.
 std::mutex captured_bad_mutex;
 std::map<int, at::Tensor> captured_bad;
 std::atomic<bool> captured_any{false};
@@ -30,12 +37,16 @@ std::atomic<bool> captured_any{false};
   __builtin_unreachable();
 }
 
-// Outside a capture, the captured calls' tally (one more read, once anything was captured).
+// Outside a capture: the device's tally, allocated at its first call, and its report (one more read, once anything
+// was captured).
 void report_captured_bad_targets(const Problem& p) {
-  if (!captured_any) return;
   std::lock_guard<std::mutex> lock(captured_bad_mutex);
   auto it = captured_bad.find(p.x.device().index());
-  if (it != captured_bad.end() && it->second.item<int>() != 0) {
+  if (it == captured_bad.end()) {
+    captured_bad.emplace(p.x.device().index(), driver_allocated_counter(p.x.device()));
+    return;
+  }
+  if (captured_any && it->second.item<int>() != 0) {
     it->second.zero_();
     TORCH_CHECK_INDEX(false, "fused_ce: a call replayed from a CUDA graph saw class indices outside [0, ", num(p.V),
                       ") that are not ignore_index (its loss was NaN, those rows counted as ignored); "
@@ -43,14 +54,15 @@ void report_captured_bad_targets(const Problem& p) {
   }
 }
 
-// Under capture: the bad-index count goes to the device's tally, for the next call outside capture to report,
-// and to the problem, to turn this call's loss NaN.
+// Under capture: the bad-index count goes to the device's tally (where there is one), for the next call outside
+// capture to report, and to the problem, to turn this call's loss NaN.
 void tally_captured_bad_targets(Problem& p, const at::Tensor& bad) {
   std::lock_guard<std::mutex> lock(captured_bad_mutex);
-  at::Tensor& tally = captured_bad[p.x.device().index()];
-  if (!tally.defined()) tally = at::zeros_like(bad);
-  tally.add_(bad);
-  captured_any = true;
+  auto it = captured_bad.find(p.x.device().index());
+  if (it != captured_bad.end()) {
+    it->second.add_(bad);
+    captured_any = true;
+  }
   p.unreported_bad_targets = bad;
 }
 
@@ -61,6 +73,22 @@ CountedRows count_rows(const at::Tensor& target) {
   rows.order = at::cat({counted.nonzero().flatten(), counted.logical_not().nonzero().flatten()});
   rows.counted = counted.sum().item<int64_t>();
   return rows;
+}
+
+// Problem::coefficient_max and coefficient_sum of a class-weighted mean: a counted row's logit gradients are
+// g ((1 - eps) w_t (p - onehot) + eps / V (cw_sum p - cw)) with g = 1 / (the counted rows' weight sum), so each is
+// at most |g| ((1 - eps) |w_t| + eps / V (|cw_sum| + max|cw|)) before the logit scale and the z-loss.
+void weighted_mean_coefficients(Problem& p, const LossOptions& o, const at::Tensor& read) {
+  const auto value = [&](int i) { return read[i].item<double>(); };
+  const double largest_class = std::max(-value(2), value(3)), largest_target = std::max(-value(4), value(5));
+  const double target_weights = value(6), weight_sum = value(7), counted = value(8), class_weight_sum = value(9);
+  const double eps = o.label_smoothing, g = 1.0 / std::abs(weight_sum);
+  const double smoothing = eps / static_cast<double>(p.V) * (std::abs(class_weight_sum) + largest_class);
+  const double inf = std::numeric_limits<double>::infinity();
+  const double max = g * ((1.0 - eps) * largest_target + smoothing);
+  const double sum = g * ((1.0 - eps) * target_weights + counted * smoothing);
+  p.coefficient_max = std::isnan(max) ? inf : max;  // (NaN weights: no bound)
+  p.coefficient_sum = std::isnan(sum) ? inf : sum;
 }
 
 }  // namespace
@@ -81,11 +109,21 @@ CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCo
       return rows;
     }
     if (check) report_captured_bad_targets(p);
-    // (queued before the read, so that the read waits for both)
+    // (queued before the read, so that the read waits for them all)
     at::Tensor extremes;
+    const bool weighted_mean = p.class_weight.defined() && o.reduction_kind == Reduction::Mean;
     if (input_abs_max && p.N > 0) {
       const auto [lo, hi] = at::aminmax(p.x);
-      extremes = at::stack({lo, hi}).to(at::kFloat);
+      std::vector<at::Tensor> parts{lo, hi};
+      if (weighted_mean) {  // (weighted_mean_coefficients' inputs)
+        const auto [class_lo, class_hi] = at::aminmax(p.class_weight);
+        const auto [target_lo, target_hi] = at::aminmax(p.target_weight);
+        parts.insert(parts.end(),
+                     {class_lo, class_hi, target_lo, target_hi, at::linalg_vector_norm(p.target_weight, 1)});
+      }
+      for (at::Tensor& part : parts) part = part.to(at::kFloat);
+      extremes = at::stack(parts);
+      if (weighted_mean) extremes = at::cat({extremes, p.totals});
     }
     const at::Tensor host = counts.cpu();  // the one host read
     if (check && host[0].item<int>() != 0) bad_target_error(raw, o, p.V);
@@ -94,6 +132,7 @@ CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCo
       const at::Tensor e = extremes.cpu();  // (done by now: no second wait)
       const double lo = e[0].item<double>(), hi = e[1].item<double>();
       p.input_abs_max = std::isnan(lo) || std::isnan(hi) ? lo + hi : std::max(-lo, hi);
+      if (weighted_mean) weighted_mean_coefficients(p, o, e);
     }
     rows.order = order;
     return rows;

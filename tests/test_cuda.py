@@ -275,6 +275,78 @@ def test_float16_weight_grad_at_its_scale(case):
         )
 
 
+def weighted_mean_coefficients(cw, t, V, eps):
+    """The bounds on a class-weighted mean's row coefficients that float16's scales take (the largest and the sum
+    of |g| ((1 - eps) |w_t| + eps / V (|sum cw| + max|cw|)), g = 1 / the counted rows' weight sum), in float64."""
+    cw, counted = cw.double(), t >= 0
+    target_weights = cw[t[counted]]
+    g = 1 / target_weights.sum().abs()
+    smoothing = eps / V * (cw.sum().abs() + cw.abs().max())
+    largest = g * ((1 - eps) * target_weights.abs().max() + smoothing)
+    total = g * ((1 - eps) * target_weights.abs().sum() + counted.sum() * smoothing)
+    return largest.item(), total.item()
+
+
+WEIGHTED_MEAN_CASES = {
+    # name: (N, counted rows, label smoothing, weight scale of the head, loss scale)
+    "class weights of both signs summing near 0": (2000, 2000, 0.0, 1.0, 16.0),
+    "smoothing over two rows whose weights are far below the classes'": (64, 2, 0.2, 30.0, 16.0),
+    "positive class weights: the unweighted bounds": (2000, 1800, 0.0, 1.0, 1024.0),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHTED_MEAN_CASES))
+def test_float16_scales_of_a_class_weighted_mean(case):
+    # A class-weighted mean's row coefficient is w_t / (the counted rows' weight sum) plus smoothing's share: over
+    # 1 where the weights have both signs and sum near 0, or where smoothing's sum of every class weight meets a
+    # few counted rows of small weight. float16's gradient blocks (2^14 over the unweighted bound) and dW's scale
+    # (max|x| times a coefficient sum of 1) then overflowed to inf where torch's gradients are finite; the scales
+    # now take the coefficients read with the targets' count.
+    N, counted, eps, head_scale, loss_scale = WEIGHTED_MEAN_CASES[case]
+    D, V = 64, 3000
+    x, w, t, _ = make_problem(N, D, V, dtype=torch.float16, device="cuda", ignore_frac=0.0)
+    w = w * head_scale  # (30: confident rows, whose probability mass on one class carries the full coefficient)
+    cw = torch.rand(V, device="cuda") + 0.5
+    if case.startswith("class weights of both signs"):
+        t = torch.arange(N, device="cuda") % 2  # half of the rows class 0, half class 1
+        cw[0], cw[1] = 1.0, -(1.0 - 1e-4)
+    elif case.startswith("smoothing"):
+        t[counted:] = -100
+        t[:counted] = torch.arange(counted, device="cuda")
+        cw[:counted] = 0.01
+    else:
+        t[counted:] = -100
+    kw = dict(weight=cw, label_smoothing=eps)
+    largest, total = weighted_mean_coefficients(cw, t, V, eps)
+    plan = fused_ce.plan(x, w, t, pass_="forward_with_grad", **kw)
+    if case.startswith("positive"):
+        assert largest <= 2 and total <= 2
+        assert plan.grad_scale == 2.0**14, plan
+        assert plan.grad_weight_scale == 2.0 ** math.floor(math.log2(16384 / x.abs().max().item())), plan
+    else:
+        assert largest > 4 and total > 4  # past float16's room: the unweighted scales overflow
+        assert plan.grad_scale == 2.0 ** (14 - math.ceil(math.log2(largest))), (plan, largest)
+        bound = x.abs().max().item() * total
+        assert plan.grad_weight_scale == 2.0 ** math.floor(math.log2(16384 / bound)), (plan, total)
+    xl, wl = (v.detach().clone().requires_grad_() for v in (x, w))
+    loss = fused_ce.linear_cross_entropy(xl, wl, t, **kw)
+    (loss * loss_scale).backward()
+    xe, we = (v.detach().clone().requires_grad_() for v in (x, w))
+    eager = reference_loss(xe, we, t, **kw)  # torch eager in float16
+    (eager * loss_scale).backward()
+    xr, wr = (v.double().requires_grad_() for v in (x, w))
+    ref = reference_loss(xr, wr, t, **kw)
+    (ref * loss_scale).backward()
+    assert rel_err(loss, ref) <= 1.5 * rel_err(eager, ref) + 1e-3, (rel_err(loss, ref), rel_err(eager, ref))
+    for got, expected_eager, expected in ((xl.grad, xe.grad, xr.grad), (wl.grad, we.grad, wr.grad)):
+        assert torch.isfinite(expected_eager).all()
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        assert rel_err(got, expected) <= 1.5 * rel_err(expected_eager, expected) + 1e-4, (
+            rel_err(got, expected),
+            rel_err(expected_eager, expected),
+        )
+
+
 FALLBACK_CHECK = r"""
 import sys, torch, fused_ce
 sys.path.insert(0, sys.argv[1])
