@@ -48,14 +48,17 @@ struct Driver {
                              void**, void**);
   CUresult (*cuStreamIsCapturing)(CUstream, int*);
   CUresult (*cuMemAlloc_v2)(CUdeviceptr*, size_t);
+  CUresult (*cuMemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream);
+  CUresult (*cuStreamSynchronize)(CUstream);
 };
 
 // Every driver entry point of Driver, bound by name when libcuda is loaded.
 // clang-format off
 #define FCE_DRIVER_SYMBOLS(X)                                                                       \
   X(cuInit) X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGet) X(cuDeviceGetAttribute)            \
-  X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuModuleLoadData)              \
-  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuStreamIsCapturing) X(cuMemAlloc_v2)
+  X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuModuleLoadData)             \
+  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuStreamIsCapturing)             \
+  X(cuMemAlloc_v2) X(cuMemsetD32Async) X(cuStreamSynchronize)
 // clang-format on
 
 template <typename F>
@@ -206,7 +209,13 @@ at::Tensor driver_allocated_counter(const at::Device& device) {
   make_context_current(device.index());
   CUdeviceptr ptr = 0;
   FCE_CU(cuMemAlloc_v2(&ptr, sizeof(int32_t)));
-  return at::from_blob(reinterpret_cast<void*>(ptr), {1}, [](void*) {}, at::device(device).dtype(at::kInt)).zero_();
+  // zeroed by a memset, not an ATen kernel (whose first launch in a process costs milliseconds: LOG step 10), and
+  // waited for, so that every stream sees the zero
+  c10::impl::VirtualGuardImpl impl(device.type());
+  auto stream = static_cast<CUstream>(impl.getStream(device).native_handle());
+  FCE_CU(cuMemsetD32Async(ptr, 0, 1, stream));
+  FCE_CU(cuStreamSynchronize(stream));
+  return at::from_blob(reinterpret_cast<void*>(ptr), {1}, [](void*) {}, at::device(device).dtype(at::kInt));
 }
 
 void launch(const KernelVariant& v, const at::Device& device, int64_t grid, const KernelArgs& args) {
