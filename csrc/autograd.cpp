@@ -80,12 +80,14 @@ namespace {
 // entropy, a second backward) the backward op takes the logits the forward kept or recomputes them. Every one is
 // an op of its own, so torch.compile and TorchScript see them too.
 struct CrossEntropyOp : torch::CustomClassHolder {
-  at::Tensor target;
-  std::optional<at::Tensor> weight;
+  variable_list args;  // target, class weights
   LossOptions o;
 
   CrossEntropyOp(const at::Tensor& target, const std::optional<at::Tensor>& weight, LossOptions o)
-      : target(target), weight(weight), o(std::move(o)) {}
+      : args{target, weight.value_or(at::Tensor())}, o(std::move(o)) {}
+
+  const at::Tensor& target() const { return args[0]; }
+  std::optional<at::Tensor> weight() const { return optional(args[1]); }
 
   std::string caller() const { return o.caller; }
 
@@ -100,7 +102,7 @@ struct CrossEntropyOp : torch::CustomClassHolder {
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
     auto [loss, lse, entropy, argmax, gx, gw, gb, gw_scale] = o.apply([&](auto... options) {
-      return op.call(l.input, l.weight, target, optional(l.bias), weight, mask, options...);
+      return op.call(l.input, l.weight, target(), optional(l.bias), weight(), mask, options...);
     });
     *grads = {gx, gw, gb, gw_scale};
     return {loss, lse, entropy, argmax};
@@ -113,8 +115,9 @@ struct CrossEntropyOp : torch::CustomClassHolder {
     } else {
       static auto op = op_handle("fused_ce::_linear_cross_entropy_keeping_logits")
                            .typed<decltype(linear_cross_entropy_keeping_logits)>();
-      auto [loss, lse, entropy, argmax, logits] = o.apply(
-          [&](auto... options) { return op.call(l.input, l.weight, target, optional(l.bias), weight, options...); });
+      auto [loss, lse, entropy, argmax, logits] = o.apply([&](auto... options) {
+        return op.call(l.input, l.weight, target(), optional(l.bias), weight(), options...);
+      });
       f.outputs = {loss, lse, entropy, argmax};
       if (logits.sym_size(0) != 0) f.used_up = {logits};  // (none kept: the backward recomputes them)
     }
@@ -144,15 +147,15 @@ struct CrossEntropyOp : torch::CustomClassHolder {
                            .typed<decltype(linear_cross_entropy_backward_from_logits)>();
       at::Tensor& logits = (*used_up)[0];
       return o.apply([&](auto... options) {
-        return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), logits, l.input, l.weight, target,
-                       optional(l.bias), weight, lse, optional(entropy), mask, options...);
+        return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), logits, l.input, l.weight, target(),
+                       optional(l.bias), weight(), lse, optional(entropy), mask, options...);
       });
     }
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_backward").typed<decltype(linear_cross_entropy_backward)>();
     return o.apply([&](auto... options) {
-      return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), l.input, l.weight, target, optional(l.bias),
-                     weight, lse, optional(entropy), mask, options...);
+      return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), l.input, l.weight, target(),
+                     optional(l.bias), weight(), lse, optional(entropy), mask, options...);
     });
   }
 };
@@ -160,8 +163,7 @@ struct CrossEntropyOp : torch::CustomClassHolder {
 // linear_policy_loss's: the gradients formed in the forward (their coefficients need only the forward's row
 // stats and the per-token inputs), the backward scales them, as the scalar cross-entropy's.
 struct PolicyLossOp : torch::CustomClassHolder {
-  at::Tensor target, advantages;
-  std::optional<at::Tensor> token_weights, old_log_probs, ref_log_probs;
+  variable_list args;                // target, advantages, token_weights, old_log_probs, ref_log_probs
   std::vector<c10::IValue> options;  // in schema order, as the with-grad op takes them
 
   std::string caller() const { return "linear_policy_loss"; }
@@ -169,9 +171,9 @@ struct PolicyLossOp : torch::CustomClassHolder {
   // linear_policy_loss_with_grad below autograd: (loss, stats), the gradients asked for in `mask` in *grads.
   variable_list with_grad(const Linear& l, const Mask& mask, variable_list* grads) const {
     static const auto op = op_handle("fused_ce::linear_policy_loss_with_grad");
-    torch::jit::Stack stack{l.input,       l.weight,         target,
-                            advantages,    token_weights,    old_log_probs,
-                            ref_log_probs, optional(l.bias), std::vector<bool>(mask.begin(), mask.end())};
+    torch::jit::Stack stack{l.input,           l.weight,          args[0],
+                            args[1],           optional(args[2]), optional(args[3]),
+                            optional(args[4]), optional(l.bias),  std::vector<bool>(mask.begin(), mask.end())};
     stack.insert(stack.end(), options.begin(), options.end());
     at::AutoDispatchBelowADInplaceOrView guard;
     op.callBoxed(&stack);
@@ -246,11 +248,8 @@ c10::intrusive_ptr<PolicyLossOp> policy_loss_op(
     const std::optional<at::Tensor>& ref_log_probs FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
         FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
   auto op = c10::make_intrusive<PolicyLossOp>();
-  op->target = target;
-  op->advantages = advantages;
-  op->token_weights = token_weights;
-  op->old_log_probs = old_log_probs;
-  op->ref_log_probs = ref_log_probs;
+  op->args = {target, advantages, token_weights.value_or(at::Tensor()), old_log_probs.value_or(at::Tensor()),
+              ref_log_probs.value_or(at::Tensor())};
   op->options = detail::call_without_first([](auto... v) { return std::vector<c10::IValue>{v...}; },
                                            0 FUSED_CE_POLICY_OPTIONS(FUSED_CE_IVALUE_ITEM)
                                                FUSED_CE_SHARD_OPTIONS(FUSED_CE_IVALUE_ITEM));

@@ -3,6 +3,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -35,6 +36,8 @@ at::Tensor top_k_rows(const char* name, const at::Tensor& t, c10::IntArrayRef ro
   check_device(name, t, input);
   TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(rows.size()) + 1 && t.sizes().slice(0, rows.size()) == rows,
                     kCaller, ": ", name, " must be [..., k] with input's rows ", shape(rows), ", got shape ",
+                    shape(t.sizes()));
+  TORCH_CHECK_VALUE(t.size(-1) > 0, kCaller, ": ", name, " must hold at least one class per row (k >= 1), got shape ",
                     shape(t.sizes()));
   return t.reshape({-1, t.size(-1)});
 }
@@ -88,14 +91,18 @@ Distillation make(FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_D
   d.w = linear_weight;
   d.N = d.x.size(0);
   d.acc = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const auto bias_of = [&](const char* argument, const OptionalTensor& b, const at::Tensor& like) {
+  const auto bias_of = [&](const char* argument, const OptionalTensor& b, const at::Tensor& like,
+                           const char* like_name) {
     if (!b || !b->defined()) return at::Tensor();
     check_device(argument, *b, input);
     TORCH_CHECK_VALUE(b->dim() == 1 && b->size(0) == d.V, kCaller, ": ", argument, " must be [V] = [", num(d.V),
                       "], got shape ", shape(b->sizes()));
-    return b->to(like.scalar_type());
+    TORCH_CHECK(b->scalar_type() == like.scalar_type(), kCaller, ": ", argument, " dtype ", name(b->scalar_type()),
+                " does not match ", like_name, " dtype ", name(like.scalar_type()),
+                ": cast one to the other's dtype, or call it under torch.autocast, which casts both");
+    return *b;
   };
-  d.bias = bias_of("linear_bias", linear_bias, input);
+  d.bias = bias_of("linear_bias", linear_bias, input, "input");
 
   const bool has = [](const OptionalTensor& t) { return t && t->defined(); }(teacher_input);
   const bool top_k = teacher_top_indices && teacher_top_indices->defined();
@@ -147,7 +154,7 @@ Distillation make(FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_D
     o.divergence = beta == 0.0 ? Divergence::ForwardKL : beta == 1.0 ? Divergence::ReverseKL : Divergence::JSD;
     d.xt = ti.reshape({-1, ti.size(-1)});
     d.wt = tw;
-    d.teacher_bias = bias_of("teacher_bias", teacher_bias, ti);
+    d.teacher_bias = bias_of("teacher_bias", teacher_bias, ti, "teacher_input");
   }
   TORCH_CHECK_VALUE(top_k || !teacher_bias || !teacher_bias->defined() || has, kCaller,
                     ": teacher_bias is given without the teacher's head");
@@ -198,17 +205,34 @@ at::Tensor summed_over_shards(const Distillation& d, at::Tensor t) {
   return t;
 }
 
+TopKTeacher top_k_teacher(const at::Tensor& log_probs) {
+  const at::Tensor lse = at::logsumexp(log_probs, 1, true);
+  const at::Tensor zero = at::zeros({}, log_probs.options());
+  const at::Tensor log_q = log_probs - lse;
+  // (-inf where lse is: exp gives 0, the product 0 log 0 would be NaN)
+  const at::Tensor q = at::where(log_probs.eq(-INFINITY), zero, log_q.exp());
+  return {q, at::where(q.gt(0), q * log_q, zero).sum(1), lse.ne(-INFINITY).to(log_probs.scalar_type())};
+}
+
 namespace {
 
-// Over the classes of every shard: each row's sum of t [k, V_shard], and its logsumexp.
+// Over the classes of every shard: each row's sum of t [k, V_shard].
 at::Tensor row_sum(const Distillation& d, const at::Tensor& t) {
   return summed_over_shards(d, t.sum(1));
 }
 
-at::Tensor row_lse(const Distillation& d, const at::Tensor& z) {
-  at::Tensor m = std::get<0>(z.max(1));
+// Each row's log-sum-exp as (max, log sum exp(z - max)), [k, 1] each, over every shard's classes. A
+// log-probability is (z - max) - log sum: never z - (max + log sum), which rounds the log-sum-exp to the max's
+// precision (float32 at logits of 1e4 would lose the divergence's digits).
+std::pair<at::Tensor, at::Tensor> lse_parts(const Distillation& d, const at::Tensor& z) {
+  at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));
   if (d.o.sharded()) all_reduce_(m, "max", d.o.group);
-  return m + row_sum(d, (z - m.unsqueeze(1)).exp_()).log_();
+  return {m, summed_over_shards(d, (z - m).exp_().sum(1, true)).log_()};
+}
+
+at::Tensor log_probs(const Distillation& d, const at::Tensor& z) {
+  const auto [m, log_sum] = lse_parts(d, z);
+  return (z - m).sub_(log_sum);
 }
 
 // The logits of rows x of a head in acc (a product in the input dtype: torch's F.linear rounding), after the
@@ -230,20 +254,17 @@ Block distill_block(const Distillation& d, const at::Tensor& xs, const at::Tenso
   const double T = o.temperature, w = o.hard_label_weight, b = o.beta;
   at::Tensor chain;
   const at::Tensor z1 = logits_of(xs, d.w, d.bias, o.student, d.acc, with_grad ? &chain : nullptr);
-  const at::Tensor zs = z1 / T;
-  const at::Tensor s = zs - row_lse(d, zs).unsqueeze(1);
+  const at::Tensor s = log_probs(d, z1 / T);
   const at::Tensor ps = s.exp();
-  at::Tensor divergence, grad;             // grad: of the divergence with respect to the student's logits / T
-  if (o.divergence == Divergence::TopK) {  // q: the teacher's top k renormalised
-    const at::Tensor log_q = top_lp - at::logsumexp(top_lp, 1, true);
-    const at::Tensor q = log_q.exp();
+  at::Tensor divergence, grad;  // grad: of the divergence with respect to the student's logits / T
+  if (o.divergence == Divergence::TopK) {
+    const TopKTeacher q = top_k_teacher(top_lp);
     auto [local, owned] = local_classes(d, top_idx);
-    const at::Tensor q_owned = at::where(owned, q, at::zeros({}, q.options()));
-    divergence = (q * log_q).sum(1) - row_sum(d, q_owned * s.gather(1, local));
-    if (with_grad) grad = ps.scatter_add(1, local, -q_owned);
+    const at::Tensor q_owned = at::where(owned, q.q, at::zeros({}, q.q.options()));
+    divergence = q.neg_entropy - row_sum(d, q_owned * s.gather(1, local));
+    if (with_grad) grad = (ps * q.mass).scatter_add_(1, local, -q_owned);
   } else {
-    const at::Tensor zt = logits_of(xt, d.wt, d.teacher_bias, o.teacher, d.acc) / T;
-    const at::Tensor t = zt - row_lse(d, zt).unsqueeze(1);
+    const at::Tensor t = log_probs(d, logits_of(xt, d.wt, d.teacher_bias, o.teacher, d.acc) / T);
     const at::Tensor pt = t.exp();
     switch (o.divergence) {
       case Divergence::ForwardKL:  // sum p_t (t - s): gradient p_s - p_t
@@ -269,13 +290,14 @@ Block distill_block(const Distillation& d, const at::Tensor& xs, const at::Tenso
   Block out{divergence * (1.0 - w), o.entropy ? -row_sum(d, ps * s) : at::Tensor(),
             with_grad ? grad * ((1.0 - w) / T) : at::Tensor()};
   if (w > 0.0) {  // the cross-entropy of the student's own logits (at T = 1) on the label
-    const at::Tensor lse = row_lse(d, z1);
+    const auto [m, log_sum] = lse_parts(d, z1);
     auto [local, owned] = local_classes(d, target.unsqueeze(1));
     const at::Tensor zero = at::zeros({}, z1.options());
+    // -log p at the label: (max - z_label) + log sum, the label's logit from the shard holding it
     const at::Tensor label_logit = row_sum(d, at::where(owned, z1.gather(1, local), zero));
-    out.loss = out.loss + w * (lse - label_logit);
+    out.loss = out.loss + w * ((m.squeeze(1) - label_logit) + log_sum.squeeze(1));
     if (with_grad) {
-      at::Tensor ce_grad = (z1 - lse.unsqueeze(1)).exp_();
+      at::Tensor ce_grad = (z1 - m).sub_(log_sum).exp_();
       ce_grad.scatter_add_(1, local, at::where(owned, -1.0, zero).to(d.acc));
       out.grad = out.grad + w * ce_grad;
     }
@@ -309,14 +331,26 @@ Rows run_blocks(const Distillation& d, const std::optional<RowScale>& scale, std
   // (its collectives must match): sized by the largest shard.
   const int64_t classes = std::max<int64_t>(d.o.sharded() ? d.o.max_shard_rows : d.V, 1);
   const int64_t row_bytes = 8 * static_cast<int64_t>(c10::elementSize(d.acc)) * classes;
-  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(K, d.o.workspace_bytes / row_bytes));
+  const auto rows_within = [&](int64_t bytes) {
+    return std::clamp<int64_t>(bytes / row_bytes, 1, std::max<int64_t>(K, 1));
+  };
+  int64_t block = rows_within(d.o.workspace_bytes);
   const auto acc = d.x.options().dtype(d.acc);
   Rows out;
   out.loss = at::empty({K}, acc);
   if (d.o.entropy) out.entropy = at::empty({K}, acc);
   if (with_grad) {
     if (mask[0]) out.gx = K == d.N ? at::empty_like(d.x) : at::zeros_like(d.x);
-    if (mask[1]) out.gw = at::zeros({d.V, d.x.size(1)}, acc);
+    if (mask[1]) {
+      // dW accumulated in place over the blocks: in its own dtype (float32, float64: the gradient itself), or, for
+      // bfloat16 and float16 over more than one block, in a float32 accumulator where that fits in half the
+      // budget (the blocks take the rest), else in the input dtype, as the cross-entropy ops (strategies.cpp)
+      const int64_t float32_dw = d.V * d.x.size(1) * int64_t{sizeof(float)};
+      const bool half = d.x.element_size() < 4;
+      const bool float32_sum = half && cdiv(K, block) > 1 && float32_dw <= d.o.workspace_bytes / 2;
+      if (float32_sum) block = rows_within(d.o.workspace_bytes - float32_dw);
+      out.gw = at::zeros({d.V, d.x.size(1)}, half && !float32_sum ? d.x.options() : acc);
+    }
     if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, acc);
   }
   const at::NoGradGuard no_grad;
@@ -326,20 +360,30 @@ Rows run_blocks(const Distillation& d, const std::optional<RowScale>& scale, std
   for (int64_t begin = 0; begin < K; begin += block) {
     const int64_t end = std::min(K, begin + block);
     const at::Tensor xs_b = block_rows(d, d.x, begin, end);
-    const Block r = distill_block(d, xs_b, block_rows(d, d.xt, begin, end), rows(top_idx, begin, end),
-                                  rows(top_lp, begin, end), rows(target, begin, end), with_grad);
+    Block r = distill_block(d, xs_b, block_rows(d, d.xt, begin, end), rows(top_idx, begin, end),
+                            rows(top_lp, begin, end), rows(target, begin, end), with_grad);
     out.loss.slice(0, begin, end).copy_(r.loss);
     if (d.o.entropy) out.entropy.slice(0, begin, end).copy_(r.entropy);
     if (!with_grad) continue;
-    const at::Tensor g =
-        scale->rows.defined() ? r.grad * scale->rows.slice(0, begin, end).unsqueeze(1) : r.grad * scale->uniform;
+    at::Tensor& g = r.grad;  // (the block's own: scaled in place)
+    if (scale->rows.defined()) {
+      g.mul_(scale->rows.slice(0, begin, end).unsqueeze(1));
+    } else if (scale->uniform != 1.0) {
+      g.mul_(scale->uniform);
+    }
     const at::Tensor g_in = g.to(d.x.scalar_type());  // the products in the input dtype, as the forward's
     if (mask[0]) {
       at::Tensor gx_b = input_grad_rows(d, out.gx, begin, end);
       at::mm_out(gx_b, g_in, d.w);
       store_input_grad(d, out.gx, gx_b, begin);
     }
-    if (mask[1]) out.gw.add_(at::mm(g_in.t(), xs_b));
+    if (mask[1]) {  // in place: never a [V, D] product beside dW
+      if (out.gw.scalar_type() == g_in.scalar_type()) {
+        out.gw.addmm_(g_in.t(), xs_b);
+      } else {
+        out.gw.addmm_(g.t(), xs_b.to(out.gw.scalar_type()));  // (g: the float32 gradient, unrounded)
+      }
+    }
     if (out.gb.defined()) out.gb.add_(g.sum(0));
   }
   return out;

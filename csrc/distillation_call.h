@@ -95,6 +95,14 @@ std::pair<at::Tensor, at::Tensor> local_classes(const Distillation& d, const at:
 // t summed over the group's ranks in place (t as it is when not sharded).
 at::Tensor summed_over_shards(const Distillation& d, at::Tensor t);
 
+// The teacher's top k as a distribution: q [k, top] renormalised over them (a -inf log-probability is probability 0,
+// as padding lists), each row's sum q log q [k] (0 log 0 = 0), and mass [k, 1]: 1, or 0 for a row of -inf only
+// (no teacher distribution: its divergence and gradient 0).
+struct TopKTeacher {
+  at::Tensor q, neg_entropy, mass;
+};
+TopKTeacher top_k_teacher(const at::Tensor& log_probs);
+
 // Counted rows' values [K] placed in input's rows (0 elsewhere).
 at::Tensor per_row(const Distillation& d, const at::Tensor& counted_values);
 

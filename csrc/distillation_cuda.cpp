@@ -112,34 +112,39 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
       const at::Tensor xt_b = block_rows(d, d.xt, begin, end);
       b.zt = d.teacher_bias.defined() ? at::addmm(d.teacher_bias, xt_b, d.wt.t()) : at::mm(xt_b, d.wt.t());
     }
-    b.stats = at::zeros({6, k}, f32);
+    // the kernel's row values (distill_rows.py): the log-sum-exps of the student at T, the teacher at T and the
+    // student at T = 1 as their maxes (0..2) and log sum exp(z - max) (3..5); the divergence's and entropy's sums
+    b.stats = at::zeros({9, k}, f32);
     sweep(kLogSumExps, d, b);
-    if (o.sharded()) {  // log-sum-exps over the shards: L = max_r lse_r, lse = L + log sum_r exp(lse_r - L)
-      const at::Tensor lse = b.stats.slice(0, 0, 3);
-      at::Tensor top = lse.clone();
+    const at::Tensor maxes = b.stats.slice(0, 0, 3), log_sums = b.stats.slice(0, 3, 6);
+    if (o.sharded()) {  // over the shards: M = max_r m_r, log sum = log sum_r exp(m_r - M + log sum_r)
+      at::Tensor top = maxes.clone();
       all_reduce_(top, "max", o.group);
-      at::Tensor mass = (lse - top).exp_();
+      at::Tensor mass = (maxes - top).add_(log_sums).exp_();
       all_reduce_(mass, "sum", o.group);
-      lse.copy_(top + mass.log_());
+      maxes.copy_(top);
+      log_sums.copy_(mass.log_());
     }
     sweep(kSums, d, b);
-    if (o.sharded()) b.stats.slice(0, 3, 6).copy_(summed_over_shards(d, b.stats.slice(0, 3, 6).clone()));
-    const at::Tensor lse_s = b.stats[0];
+    if (o.sharded()) b.stats.slice(0, 6, 9).copy_(summed_over_shards(d, b.stats.slice(0, 6, 9).clone()));
+    // the student's log-probability at T of logits z1: (z1 / T - max) - log sum
+    const auto log_prob_s = [&](const at::Tensor& z1) {
+      return (z1 / o.temperature - b.stats[0].unsqueeze(1)) - b.stats[3].unsqueeze(1);
+    };
     at::Tensor divergence =
-        o.divergence == Divergence::JSD ? o.beta * b.stats[3] + (1.0 - o.beta) * b.stats[4] : b.stats[3].clone();
+        o.divergence == Divergence::JSD ? o.beta * b.stats[6] + (1.0 - o.beta) * b.stats[7] : b.stats[6].clone();
     // top k: this shard's columns of the k classes (0 where another shard holds one), q, the student's logits there
     // and the transform's derivative (0 where not held)
-    at::Tensor top_local, q, top_z1, top_chain;
+    at::Tensor top_local, q, q_mass, top_z1, top_chain;
     if (o.divergence == Divergence::TopK) {
-      const at::Tensor lp = top_lp.slice(0, begin, end);
-      const at::Tensor log_q = lp - at::logsumexp(lp, 1, true);
-      q = log_q.exp();
+      const TopKTeacher teacher_k = top_k_teacher(top_lp.slice(0, begin, end));
+      q = teacher_k.q;
+      q_mass = teacher_k.mass.squeeze(1);
       at::Tensor owned, chain;
       std::tie(top_local, owned) = local_classes(d, top_idx.slice(0, begin, end));
       top_z1 = transformed(b.zs.gather(1, top_local).to(at::kFloat), o.student, &chain);
-      const at::Tensor s_at = top_z1 / o.temperature - lse_s.unsqueeze(1);
       const at::Tensor zero = at::zeros({}, f32);
-      divergence = (q * log_q).sum(1) - summed_over_shards(d, at::where(owned, q * s_at, zero).sum(1));
+      divergence = teacher_k.neg_entropy - summed_over_shards(d, at::where(owned, q * log_prob_s(top_z1), zero).sum(1));
       top_chain = chain.defined() ? at::where(owned, chain, zero) : owned.to(at::kFloat) * o.student.scale;
     }
     at::Tensor loss = divergence * (1.0 - o.hard_label_weight);
@@ -148,23 +153,26 @@ Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale
       const auto [column, owned] = local_classes(d, target.slice(0, begin, end).unsqueeze(1));
       const at::Tensor z1 = transformed(b.zs.gather(1, column).to(at::kFloat), o.student);
       const at::Tensor label_logit = summed_over_shards(d, at::where(owned, z1, at::zeros({}, f32)).squeeze(1));
-      loss = loss + o.hard_label_weight * (b.stats[2] - label_logit);
+      loss = loss + o.hard_label_weight * ((b.stats[2] - label_logit) + b.stats[5]);
       local_target =
           at::where(owned.squeeze(1), target.slice(0, begin, end) - o.vocab_start, at::full({}, -1, target.options()));
     }
     out.loss.slice(0, begin, end).copy_(loss);
-    if (o.entropy) out.entropy.slice(0, begin, end).copy_(-b.stats[5]);
+    if (o.entropy) out.entropy.slice(0, begin, end).copy_(-b.stats[8]);
     if (!with_grad) continue;
     const at::Tensor row_scale = scale->rows.defined() ? scale->rows.slice(0, begin, end) : at::ones({k}, f32);
-    b.coef = at::stack({row_scale * ((1.0 - o.hard_label_weight) / o.temperature), row_scale * o.hard_label_weight});
+    // (a top-k row of -inf only has no teacher distribution: no divergence, no gradient from it)
+    const at::Tensor c_divergence = row_scale * ((1.0 - o.hard_label_weight) / o.temperature);
+    b.coef = at::stack({q_mass.defined() ? c_divergence * q_mass : c_divergence, row_scale * o.hard_label_weight});
     b.target = local_target.defined() ? local_target : at::full({k}, -1, d.x.options().dtype(at::kLong));
     at::Tensor top_grad;  // the gradient at the k classes, exactly (not sharded: each is a column here)
     if (q.defined() && !o.sharded()) {
       const at::Tensor c_div = b.coef[0].unsqueeze(1), c_ce = b.coef[1].unsqueeze(1);
-      top_grad = c_div * ((top_z1 / o.temperature - lse_s.unsqueeze(1)).exp() - q);
+      top_grad = c_div * (log_prob_s(top_z1).exp() - q);
       if (hard) {
         const at::Tensor label = top_local.eq(b.target.unsqueeze(1)).to(at::kFloat);
-        top_grad = top_grad + c_ce * ((top_z1 - b.stats[2].unsqueeze(1)).exp() - label);
+        const at::Tensor log_p1 = (top_z1 - b.stats[2].unsqueeze(1)) - b.stats[5].unsqueeze(1);
+        top_grad = top_grad + c_ce * (log_p1.exp() - label);
       }
       top_grad = top_grad * top_chain;
     }

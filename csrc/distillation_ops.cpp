@@ -50,19 +50,16 @@ namespace {
 // linear_distillation_loss's autograd: a scalar loss's gradients formed in the forward (the backward scales
 // them); 'none' forms them in the backward for its upstream gradient, one pass over both heads again.
 struct DistillationOp : torch::CustomClassHolder {
-  OptionalTensor teacher_input, teacher_weight, target, teacher_bias, top_indices, top_log_probs;
+  // teacher_input, teacher_weight, target, teacher_bias, teacher top-k indices and log-probabilities
+  variable_list args;
   std::vector<c10::IValue> options;  // in schema order
   bool scalar = true;
 
-  DistillationOp(std::array<OptionalTensor, 6> others, std::vector<c10::IValue> options_in_order, bool scalar_loss)
-      : teacher_input(std::move(others[0])),
-        teacher_weight(std::move(others[1])),
-        target(std::move(others[2])),
-        teacher_bias(std::move(others[3])),
-        top_indices(std::move(others[4])),
-        top_log_probs(std::move(others[5])),
-        options(std::move(options_in_order)),
-        scalar(scalar_loss) {}
+  DistillationOp(const std::array<OptionalTensor, 6>& others, std::vector<c10::IValue> options_in_order,
+                 bool scalar_loss)
+      : options(std::move(options_in_order)), scalar(scalar_loss) {
+    for (const auto& t : others) args.push_back(t.value_or(at::Tensor()));
+  }
 
   std::string caller() const { return kCaller; }
 
@@ -71,13 +68,13 @@ struct DistillationOp : torch::CustomClassHolder {
     static const auto op = op_handle("fused_ce::_linear_distillation_with_grad");
     torch::jit::Stack stack{l.input,
                             l.weight,
-                            teacher_input,
-                            teacher_weight,
-                            target,
+                            optional(args[0]),
+                            optional(args[1]),
+                            optional(args[2]),
                             optional(l.bias),
-                            teacher_bias,
-                            top_indices,
-                            top_log_probs,
+                            optional(args[3]),
+                            optional(args[4]),
+                            optional(args[5]),
                             optional(row_scale),
                             std::vector<bool>(mask.begin(), mask.end())};
     stack.insert(stack.end(), options.begin(), options.end());

@@ -41,9 +41,11 @@ struct Forward {
 };
 
 // One autograd Function for every op. Op (a CustomClassHolder: the context keeps it as a capsule) holds the op's
-// other arguments and options, parsed once by the Autograd kernel; Op::forward(linear, needs) runs below
-// autograd, Op::backward(linear, saved, grads, mask, used_up) returns the linear's gradients. Only input,
-// linear_weight and linear_bias are differentiable.
+// options, parsed once by the Autograd kernel, and its other tensor arguments in `args` (undefined where absent);
+// Op::forward(linear, needs) runs below autograd, Op::backward(linear, saved, grads, mask, used_up) returns the
+// linear's gradients. Only input, linear_weight and linear_bias are differentiable. The backward reads `args`
+// from the saved variables (the capsule keeps none), so that a tensor changed in place after the forward raises
+// autograd's error, as torch's own ops do, instead of giving gradients of its new values.
 template <class Op>
 class OpFunction : public torch::autograd::Function<OpFunction<Op>> {
  public:
@@ -62,14 +64,18 @@ class OpFunction : public torch::autograd::Function<OpFunction<Op>> {
     ctx->saved_data["needs_grad"] = std::vector<bool>(needs.begin(), needs.end());
     if (!f.used_up.empty()) ctx->saved_data["used_up"] = f.used_up;
     variable_list saved{input, linear_weight, linear_bias};
+    saved.insert(saved.end(), op->args.begin(), op->args.end());
     saved.insert(saved.end(), f.saved.begin(), f.saved.end());
+    ctx->saved_data["args"] = static_cast<int64_t>(op->args.size());
+    op->args.clear();
     ctx->save_for_backward(saved);
     ctx->mark_non_differentiable(f.non_differentiable);
     return f.outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto op = c10::static_intrusive_pointer_cast<Op>(ctx->saved_data["op"].toCapsule());
+    const auto parsed = c10::static_intrusive_pointer_cast<Op>(ctx->saved_data["op"].toCapsule());
+    const auto op = c10::make_intrusive<Op>(*parsed);  // the options, with the saved args below
     // The gradients come from kernels with no derivative of their own: a graph of them (create_graph=True,
     // torch.autograd.functional.hessian, gradient penalties) would be silently wrong, so it is an error.
     TORCH_CHECK_NOT_IMPLEMENTED(!at::GradMode::is_enabled(), "fused_ce.", op->caller(),
@@ -80,7 +86,9 @@ class OpFunction : public torch::autograd::Function<OpFunction<Op>> {
     const Mask mask{needs[0], needs[1], needs[2]};
     variable_list saved = ctx->get_saved_variables();
     const Linear linear{saved[0], saved[1], saved[2]};
-    saved.erase(saved.begin(), saved.begin() + 3);
+    const int64_t args = ctx->saved_data["args"].toInt();
+    op->args.assign(saved.begin() + 3, saved.begin() + 3 + args);
+    saved.erase(saved.begin(), saved.begin() + 3 + args);
     std::optional<variable_list> used_up;
     auto kept = ctx->saved_data.find("used_up");
     if (kept != ctx->saved_data.end()) {  // a second backward through a retained graph finds none

@@ -530,7 +530,8 @@ def linear_distillation_loss(
         teacher_top_k: ``(indices, log_probs)``, each ``[..., k]``, instead of ``teacher_input`` and
             ``teacher_weight``: the teacher's top k classes and their log-probabilities (from its full softmax at
             ``temperature``, e.g. precomputed offline); the loss is the forward KL from those k renormalised,
-            ``sum_k q_k (log q_k - s[idx_k])`` (``beta`` 0 only).
+            ``sum_k q_k (log q_k - s[idx_k])`` (``beta`` 0 only). A ``-inf`` log-probability (padding) is
+            probability 0 (``0 log 0 = 0``); a row of ``-inf`` only contributes 0.
         reduction: 'mean' over the counted rows, 'sum', or 'none' (each row's loss, 0 at ignored rows).
         linear_bias, teacher_bias: optional ``[V]``.
         softcap, logit_scale, teacher_softcap, teacher_logit_scale: each head's logit transform, ``softcap *

@@ -123,3 +123,39 @@ def test_half_precision_matches_torchs_error(dtype):
     for name in ("fused_ce", "fused_ce_blocks"):
         for got, want in zip(errors[name], errors["torch"]):
             assert got <= 1.5 * want + 1e-6, errors
+
+
+def _every_op(x, w, t, workspace):
+    """A fwd+bwd call of each op at `workspace`, its leaves fresh."""
+    g = torch.Generator().manual_seed(4)
+    xt = torch.randn(x.shape[0], 64, generator=g).to(x.dtype)
+    wt = (torch.randn(w.shape[0], 64, generator=g) / 8).to(x.dtype)
+    adv = torch.randn(x.shape[0], generator=g)
+    full = t.clamp(min=0)
+    ops = {
+        "linear_cross_entropy": lambda x, w: fused_ce.linear_cross_entropy(x, w, t, workspace_bytes=workspace),
+        "linear_log_probs": lambda x, w: fused_ce.linear_log_probs(x, w, full, workspace_bytes=workspace).sum(),
+        "linear_policy_loss": lambda x, w: fused_ce.linear_policy_loss(x, w, full, adv, workspace_bytes=workspace),
+        "linear_distillation_loss": lambda x, w: fused_ce.linear_distillation_loss(
+            x, w, xt, wt, t, workspace_bytes=workspace
+        ),
+        "linear_distillation_loss, 'none'": lambda x, w: fused_ce.linear_distillation_loss(
+            x, w, xt, wt, t, reduction="none", workspace_bytes=workspace
+        ).sum(),
+    }
+    for name, op in ops.items():
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        yield name, lambda op=op, xl=xl, wl=wl: op(xl, wl).backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_op_within_the_workspace(dtype):
+    # docs/usage.md's bound for every op: beyond inputs and gradients at most workspace_bytes (a [V, D] product
+    # per block beside dW, 48.8 MiB here, would pass it sixfold)
+    N, D, V = 128, 256, 50000
+    x, w, t = problem(N, D, V, dtype, seed=3)
+    workspace = 8 * MiB
+    gradients = (N * D + V * D) * x.element_size()
+    for name, call in _every_op(x, w, t, workspace):
+        held = cpu_peak_bytes(call) - gradients
+        assert held <= workspace + MiB, (name, held / MiB)

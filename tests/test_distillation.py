@@ -494,3 +494,85 @@ def test_cuda_vocabulary_parallel_on_one_gpu():
     from test_distributed import spawn
 
     spawn(check_vocabulary_parallel_kernels, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_top_k_padded_with_minus_inf_is_probability_zero(device, reduction):
+    # top-k lists padded with -inf (a teacher's zero-probability entries): 0 log 0 = 0, as F.kl_div's probability
+    # targets; a row of -inf only has no teacher distribution: its divergence and gradient 0
+    xs, ws, xt, wt, target, _, _ = problem(device, seed=5, ignored=False)
+    idx, lp = top_k_of(xt, wt, k=8)
+    lp[:, 5:] = float("-inf")
+    lp[3] = float("-inf")
+    idx, lp = idx.to(device), lp.to(device)
+    x, w = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    got = fused_ce.linear_distillation_loss(x, w, teacher_top_k=(idx, lp), target=target, reduction=reduction)
+    xr, wr = xs.double().requires_grad_(), ws.double().requires_grad_()
+    s = F.log_softmax(xr @ wr.T, -1).gather(-1, idx)
+    q = torch.where(lp == float("-inf"), 0.0, torch.softmax(lp.double(), -1).nan_to_num(0.0))
+    rows = torch.xlogy(q, q).sum(-1) - (q * s).sum(-1)
+    want = rows if reduction == "none" else rows.mean()
+    assert torch.isfinite(got).all()
+    assert rel(got, want) < 1e-5
+    (got.sum() if reduction == "none" else got).backward()
+    (want.sum() if reduction == "none" else want).backward()
+    assert rel(x.grad, xr.grad) < 1e-5 and rel(w.grad, wr.grad) < 1e-5
+    assert (x.grad[3] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("magnitude", [1e3, 3e4])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd", "top_k", "hard_label"])
+def test_float32_at_large_logits_within_torchs_error(device, magnitude, divergence):
+    # |z| up to `magnitude`: each log-probability (z - max) - log sum, never rounded to the max's precision; the
+    # loss's error against float64 at most torch float32's own (F.log_softmax's) at the same logits
+    xs, ws, xt, wt, target, _, _ = problem(device, seed=7, ignored=False)
+    ws, wt = ws / ws.norm(dim=1, keepdim=True) * magnitude / 4, wt / wt.norm(dim=1, keepdim=True) * magnitude / 4
+    xs, xt = xs / xs.norm(dim=1, keepdim=True) * 4, xt / xt.norm(dim=1, keepdim=True) * 4
+    keywords = (
+        dict(beta=0.5) if divergence == "jsd" else dict(hard_label_weight=0.5) if divergence == "hard_label" else {}
+    )
+    if divergence == "top_k":
+        keywords["teacher_top_k"] = tuple(t.to(device) for t in top_k_of(xt.double(), wt.double(), k=8))
+        xt = wt = None
+
+    def losses(dtype):  # torch's own at `dtype`, from materialised logits
+        s = F.log_softmax(xs.to(dtype) @ ws.to(dtype).T, -1)
+        if divergence == "top_k":
+            idx, lp = keywords["teacher_top_k"]
+            log_q = F.log_softmax(lp.to(dtype), -1)
+            return (log_q.exp() * (log_q - s.gather(-1, idx))).sum(-1)
+        t = F.log_softmax(xt.to(dtype) @ wt.to(dtype).T, -1)
+        if divergence == "jsd":
+            m = torch.logaddexp(s + math.log(0.5), t + math.log(0.5))
+            return 0.5 * (t.exp() * (t - m)).sum(-1) + 0.5 * (s.exp() * (s - m)).sum(-1)
+        kl = (t.exp() * (t - s)).sum(-1)
+        if divergence == "hard_label":
+            return 0.5 * kl + 0.5 * F.nll_loss(s, target, reduction="none")
+        return kl
+
+    want, torch32 = losses(torch.float64), losses(torch.float32)
+    got = fused_ce.linear_distillation_loss(xs, ws, xt, wt, target, reduction="none", **keywords)
+    torch_error = (torch32.double() - want).abs().max().item()
+    error = (got.double() - want).abs().max().item()
+    assert error <= 2 * torch_error + 1e-6 * want.abs().max().item(), (error, torch_error)
+
+
+def test_top_k_of_no_class_is_an_error_naming_it():
+    xs, ws, *_ = problem()
+    idx, lp = torch.zeros(N, 0, dtype=torch.long), torch.zeros(N, 0)
+    with pytest.raises(ValueError, match="linear_distillation_loss: teacher_top_k indices must hold at least one"):
+        fused_ce.linear_distillation_loss(xs, ws, teacher_top_k=(idx, lp))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_of_another_dtype_is_an_error_as_in_linear_cross_entropy(device):
+    xs, ws, xt, wt, target, bs, bt = (None if t is None else t.double() if t.is_floating_point() else t
+                                      for t in problem(device, bias=True))  # fmt: skip
+    with pytest.raises(RuntimeError, match="linear_bias dtype Float does not match input dtype Double"):
+        fused_ce.linear_distillation_loss(xs, ws, xt, wt, target, linear_bias=bs.float())
+    with pytest.raises(RuntimeError, match="teacher_bias dtype Float does not match teacher_input dtype Double"):
+        fused_ce.linear_distillation_loss(xs, ws, xt, wt, target, teacher_bias=bt.float())
+    with pytest.raises(RuntimeError, match="linear_bias dtype"):  # as linear_cross_entropy's
+        fused_ce.linear_cross_entropy(xs, ws, target, linear_bias=bs.float())

@@ -423,7 +423,7 @@ def test_non_integer_ignore_index_is_a_type_error_as_in_torch(function, value):
 
 def test_integer_like_ignore_index_is_taken_as_in_torch():
     np = pytest.importorskip("numpy")
-    x, w, t, _ = make_problem(8, 6, 10)
+    x, w, t, _ = make_problem(8, 6, 10, ignore_frac=0.0)  # (no -100: ignore_index is 3 here)
     t[:3] = 3
     want = F.cross_entropy(x @ w.T, t, ignore_index=3)
     for value in (3, np.int64(3), torch.tensor(3)):
@@ -488,3 +488,74 @@ def test_nan_in_an_ignored_input_row_reaches_dw_only_where_every_row_runs(device
     assert bool(torch.isfinite(wl.grad).all()) == plan.counted_rows_only
     if device == "cpu":
         assert plan.counted_rows_only
+
+
+def _changed_after_forward(device):
+    """x, w and {case: (forward, the argument it reads)} for every op whose backward reads a non-differentiable
+    argument."""
+    x, w, t, _ = make_problem(13, 8, 21, device=device, seed=3)
+    full = t.clamp(min=0)
+    cw = torch.rand(21, device=device) + 0.5
+    xt, wt = torch.randn(13, 6, device=device), torch.randn(21, 6, device=device)
+    adv = torch.randn(13, device=device)
+    ce, distill = fused_ce.linear_cross_entropy, fused_ce.linear_distillation_loss
+    cases = {
+        "target, 'none'": (lambda x, w: ce(x, w, t, reduction="none"), t),
+        "class weight, 'none'": (lambda x, w: ce(x, w, t, weight=cw, reduction="none"), cw),
+        "target, 'mean'": (lambda x, w: ce(x, w, t), t),
+        "class weight, 'mean'": (lambda x, w: ce(x, w, t, weight=cw), cw),
+        "linear_log_probs target": (lambda x, w: fused_ce.linear_log_probs(x, w, full), full),
+        "linear_policy_loss advantages": (lambda x, w: fused_ce.linear_policy_loss(x, w, full, adv), adv),
+        "distillation target, 'none'": (lambda x, w: distill(x, w, xt, wt, t, reduction="none"), t),
+        "distillation teacher_input, 'none'": (lambda x, w: distill(x, w, xt, wt, t, reduction="none"), xt),
+        "distillation teacher_weight, 'mean'": (lambda x, w: distill(x, w, xt, wt, t), wt),
+    }
+    return x, w, cases
+
+
+def _change(t):
+    if t.dtype.is_floating_point:
+        t.mul_(0.5)
+    else:
+        t.copy_(t.flip(0))
+
+
+_CHANGED = list(_changed_after_forward("cpu")[2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", _CHANGED)
+def test_an_argument_changed_in_place_before_backward_is_autograds_error(device, case):
+    # torch's own ops save what their backward reads, so that autograd's version check catches a later in-place
+    # change; a backward reading the new values would give the gradients of a loss never computed.
+    x, w, cases = _changed_after_forward(device)
+    forward, changed = cases[case]
+    xl, wl = leaves(x, w)
+    loss = forward(xl, wl)
+    _change(changed)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.sum().backward()
+
+
+@pytest.mark.parametrize("argument", ["target", "weight"])
+def test_torch_raises_for_the_same_change(argument):
+    # (the behaviour matched above: F.cross_entropy's backward reads its target and class weights)
+    logits = torch.randn(5, 7, requires_grad=True)
+    t, cw = torch.randint(0, 7, (5,)), torch.rand(7) + 0.5
+    loss = F.cross_entropy(logits, t, weight=cw, reduction="none")
+    _change(t if argument == "target" else cw)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_arguments_give_the_forwards_gradients(device):
+    # unchanged arguments: the gradients as before, and a second backward through a retained graph the same
+    x, w, cases = _changed_after_forward(device)
+    for name, (forward, _) in cases.items():
+        xl, wl = leaves(x, w)
+        loss = forward(xl, wl).sum()
+        first = torch.autograd.grad(loss, (xl, wl), retain_graph=True)
+        second = torch.autograd.grad(loss, (xl, wl))
+        assert all(torch.isfinite(g).all() for g in first), name
+        assert all(torch.equal(a, b) for a, b in zip(first, second)), name

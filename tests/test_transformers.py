@@ -159,6 +159,11 @@ def test_generate_and_label_less_forward_unchanged():
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    # a label-like argument without labels (the model computes no loss from it): unchanged too, logits and all
+    shifted = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+    got, want = model(input_ids=ids, shift_labels=shifted), ref(input_ids=ids, shift_labels=shifted)
+    assert got.loss is None and want.loss is None
+    torch.testing.assert_close(got.logits, want.logits)
 
 
 def test_apply_by_class_and_family_and_detection():

@@ -561,7 +561,7 @@ def _fused_forward(cls):
         labels = kwargs.get("labels")
         if labels is None and "labels" in names[: len(args)]:
             labels = args[names.index("labels")]
-        if labels is None and kwargs.get("shift_labels") is None:
+        if labels is None:  # no loss (the model's own forward computes one only from labels): unchanged
             return original(self, *args, **kwargs)
         if _builds_logits(self, skip_logits):  # evaluation: the model's own forward, its logits and its loss
             out = original(self, *args, **kwargs)

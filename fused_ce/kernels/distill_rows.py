@@ -6,11 +6,13 @@ head's logits are transformed as its model does, ``softcap * tanh(scale * z / so
 divided by the temperature (``inv_t``). Three stages, each a sweep of the row (csrc/distillation_cuda.cpp runs them,
 combining vocabulary shards between them):
 
-- stage 0, the log-sum-exps: stats[0] of the student at T, stats[1] of the teacher at T, stats[2] of the student at
-  T = 1 (with ``hard``, the hard label's cross-entropy);
-- stage 1, the divergence's sums with those: ``divergence`` 0 (forward KL) stats[3] = sum p_t (t - s); 1 (reverse
-  KL) stats[3] = sum p_s (s - t); 2 (generalised JSD) stats[3] = sum p_t (t - log m), stats[4] = sum p_s (s - log
-  m), ``log m = logaddexp(s + log(1 - beta), t + log(beta))``; 3 (top k) none; and stats[5] = sum p_s s (the
+- stage 0, the log-sum-exps, each as its row's max (stats[0..2]) and the log of the sum of exp(z - max)
+  (stats[3..5]), of the student at T, of the teacher at T, of the student at T = 1 (with ``hard``, the hard
+  label's cross-entropy): a log-probability is then ``(z - max) - log_sum``, never rounded to the max's precision
+  (float32 at logits of 1e4 would lose the divergence's digits to ``z - (max + log_sum)``);
+- stage 1, the divergence's sums with those: ``divergence`` 0 (forward KL) stats[6] = sum p_t (t - s); 1 (reverse
+  KL) stats[6] = sum p_s (s - t); 2 (generalised JSD) stats[6] = sum p_t (t - log m), stats[7] = sum p_s (s - log
+  m), ``log m = logaddexp(s + log(1 - beta), t + log(beta))``; 3 (top k) none; and stats[8] = sum p_s s (the
   student's entropy is its negative);
 - stage 2, the logits become the gradient of the row's loss with respect to the student's raw logits, in place:
   ``coef[0]`` times the divergence's gradient with respect to s (forward KL p_s - p_t, reverse KL p_s (s - t -
@@ -58,8 +60,16 @@ def _online(m, s, z):
 
 @triton.jit
 def _lse(m, s):
+    """The row's (max, log sum exp(z - max)) from the lanes' running values."""
     top = tl.max(m, 0)
-    return top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+    return top, tl.log(tl.sum(s * tl.exp(m - top), 0))
+
+
+@triton.jit
+def _store_lse(stats_ptr, N, row, i, m, s):
+    top, log_sum = _lse(m, s)
+    tl.store(stats_ptr + i * N + row, top)
+    tl.store(stats_ptr + (i + 3) * N + row, log_sum)
 
 
 @triton.jit
@@ -93,16 +103,19 @@ def distill_rows_kernel(
             if has_teacher:
                 zt = _transformed(t_row + cols, mask, t_scale, t_softcap, has_t_softcap, FAST_TANH)
                 mt, st = _online(mt, st, zt * inv_t)
-        tl.store(stats_ptr + row, _lse(ms, ss))
+        _store_lse(stats_ptr, N, row, 0, ms, ss)
         if has_teacher:
-            tl.store(stats_ptr + N + row, _lse(mt, st))
+            _store_lse(stats_ptr, N, row, 1, mt, st)
         if hard:
-            tl.store(stats_ptr + 2 * N + row, _lse(m1, s1))
+            _store_lse(stats_ptr, N, row, 2, m1, s1)
     else:
-        lse_s = tl.load(stats_ptr + row)
-        lse_t = 0.0
+        max_s = tl.load(stats_ptr + row)
+        log_sum_s = tl.load(stats_ptr + 3 * N + row)
+        max_t = 0.0
+        log_sum_t = 0.0
         if has_teacher:
-            lse_t = tl.load(stats_ptr + N + row)
+            max_t = tl.load(stats_ptr + N + row)
+            log_sum_t = tl.load(stats_ptr + 4 * N + row)
         if stage == 1:
             a = tl.zeros((BLOCK,), tl.float32)  # the divergence's sums, the entropy's
             b = a
@@ -110,11 +123,13 @@ def distill_rows_kernel(
             for c0 in range(0, V, BLOCK):
                 cols = c0 + cols0
                 mask = cols < V
-                s = _transformed(s_row + cols, mask, s_scale, s_softcap, has_s_softcap, FAST_TANH) * inv_t - lse_s
+                zs = _transformed(s_row + cols, mask, s_scale, s_softcap, has_s_softcap, FAST_TANH) * inv_t
+                s = (zs - max_s) - log_sum_s
                 ps = tl.exp(s)
                 e += tl.where(mask, ps * s, 0.0)
                 if has_teacher:
-                    t = _transformed(t_row + cols, mask, t_scale, t_softcap, has_t_softcap, FAST_TANH) * inv_t - lse_t
+                    zt = _transformed(t_row + cols, mask, t_scale, t_softcap, has_t_softcap, FAST_TANH) * inv_t
+                    t = (zt - max_t) - log_sum_t
                     pt = tl.exp(t)
                     if divergence == 0:
                         a += tl.where(mask, pt * (t - s), 0.0)
@@ -127,26 +142,29 @@ def distill_rows_kernel(
                         log_m = top + tl.log(tl.exp(u - top) + tl.exp(v - top))
                         a += tl.where(mask, pt * (t - log_m), 0.0)
                         b += tl.where(mask, ps * (s - log_m), 0.0)
-            tl.store(stats_ptr + 3 * N + row, tl.sum(a, 0))
-            tl.store(stats_ptr + 4 * N + row, tl.sum(b, 0))
-            tl.store(stats_ptr + 5 * N + row, tl.sum(e, 0))
+            tl.store(stats_ptr + 6 * N + row, tl.sum(a, 0))
+            tl.store(stats_ptr + 7 * N + row, tl.sum(b, 0))
+            tl.store(stats_ptr + 8 * N + row, tl.sum(e, 0))
         else:
             c_div = tl.load(coef_ptr + row)
             c_ce = tl.load(coef_ptr + N + row)
-            kl = tl.load(stats_ptr + 3 * N + row)
-            kl_s = tl.load(stats_ptr + 4 * N + row)
-            lse_1 = 0.0
+            kl = tl.load(stats_ptr + 6 * N + row)
+            kl_s = tl.load(stats_ptr + 7 * N + row)
+            max_1 = 0.0
+            log_sum_1 = 0.0
             if hard:
-                lse_1 = tl.load(stats_ptr + 2 * N + row)
+                max_1 = tl.load(stats_ptr + 2 * N + row)
+                log_sum_1 = tl.load(stats_ptr + 5 * N + row)
             tgt = tl.load(tgt_ptr + row)
             for c0 in range(0, V, BLOCK):
                 cols = c0 + cols0
                 mask = cols < V
                 z1 = _transformed(s_row + cols, mask, s_scale, s_softcap, has_s_softcap, FAST_TANH)
-                s = z1 * inv_t - lse_s
+                s = (z1 * inv_t - max_s) - log_sum_s
                 ps = tl.exp(s)
                 if has_teacher:
-                    t = _transformed(t_row + cols, mask, t_scale, t_softcap, has_t_softcap, FAST_TANH) * inv_t - lse_t
+                    zt = _transformed(t_row + cols, mask, t_scale, t_softcap, has_t_softcap, FAST_TANH) * inv_t
+                    t = (zt - max_t) - log_sum_t
                     if divergence == 0:
                         g = ps - tl.exp(t)
                     elif divergence == 1:
@@ -161,7 +179,7 @@ def distill_rows_kernel(
                     g = ps
                 g = g * c_div
                 if hard:
-                    g += c_ce * (tl.exp(z1 - lse_1) - tl.where(cols == tgt, 1.0, 0.0))
+                    g += c_ce * (tl.exp((z1 - max_1) - log_sum_1) - tl.where(cols == tgt, 1.0, 0.0))
                 if has_s_softcap:
                     th = z1 * (1.0 / s_softcap)
                     g = g * (1.0 - th * th)

@@ -251,7 +251,7 @@ def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, 
 def distill_rows(stage, zs, zt, stats, coef, target, *, divergence, beta=0.0, temperature=1.0, hard=False,
                  logit_scale=1.0, softcap=None, teacher_logit_scale=1.0, teacher_softcap=None, config=None):
     """One stage of the distillation loss over a block of stored raw logits (csrc/distillation_cuda.cpp): zs, zt
-    [N, V] (zt None: the teacher's top k), stats [6, N] and coef [2, N] float32, target [N] int64 (this shard's
+    [N, V] (zt None: the teacher's top k), stats [9, N] and coef [2, N] float32, target [N] int64 (this shard's
     column or -1). Stage 2 turns zs into its gradient in place."""
     N, V = zs.shape
     cfg = _config(_distill_rows, zs, config)
