@@ -75,8 +75,8 @@ at::Tensor softcap_slope(const Problem& p, const at::Tensor& z) {
 at::Tensor finish_grad(at::Tensor g, const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
                        const at::Tensor& dcap) {
   const auto dtype = g.scalar_type();
-  // one-hot term: only rows whose target falls in this column block
-  const at::Tensor local = p.target - v_begin;
+  // one-hot term: only rows whose target falls in this column block (of p's vocabulary slice: Problem::cols)
+  const at::Tensor local = p.target - (p.col_offset + v_begin);
   const at::Tensor hit = local.ge(0).logical_and_(local.lt(v_end - v_begin));
   g.scatter_add_(1, at::where(hit, local, 0).unsqueeze(1), (-c.beta.to(dtype) * hit).unsqueeze(1));
   if (c.gamma.defined()) {           // label smoothing's term (only then: 0 * an infinite class weight would be NaN)

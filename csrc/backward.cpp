@@ -114,6 +114,32 @@ Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan&
   return stored_logit_grads(p, o, plan, c, need, kept);
 }
 
+at::Tensor weight_grad_by_slices(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c) {
+  const int64_t classes = plan.weight_grad_slice_classes;
+  TORCH_CHECK(classes > 0, "fused_ce: weight_grad_by_slices needs a plan with weight_grad_slice_classes");
+  // float16's forward with gradient: its blocks at Plan::grad_scale (at unit scale they would underflow), its dW
+  // returned at Plan::grad_weight_scale (loss.h)
+  const bool scaled = plan.pass == Pass::ForwardWithGrad && p.x.scalar_type() == at::kHalf;
+  const GradCoefficients blocks = scaled ? c.scaled(plan.grad_scale) : c;
+  const double out_scale = scaled ? plan.grad_weight_scale / plan.grad_scale : 1.0;
+  at::Tensor gw = at::empty({p.V, p.D}, p.x.options());
+  // Each slice is the backward of its classes alone, its dW summed over the row blocks in a float32 accumulator
+  // of the slice (allocate_grads: [classes, D], one slice at a time), rounded once; its blocks take what that
+  // leaves of the budget.
+  LossOptions slice_options = o;
+  slice_options.workspace_bytes =
+      std::max(plan.budget_bytes - classes * p.D * int64_t{sizeof(float)}, plan.budget_bytes / 2);
+  for (int64_t v0 = 0; v0 < p.V; v0 += classes) {
+    const Problem slice = p.cols(v0, std::min(p.V, v0 + classes));
+    Plan slice_plan = make_plan(slice, slice_options, Pass::Backward);
+    slice_plan.weight_grad_slice_classes = 0;
+    slice_plan.grad_weight_dtype = at::kFloat;
+    at::Tensor sum = recomputed_grads(slice, slice_options, slice_plan, blocks, {false, true, false}).weight;
+    gw.narrow(0, v0, slice.V).copy_(out_scale == 1.0 ? sum : sum.mul_(out_scale));
+  }
+  return gw;
+}
+
 Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                        GradMask need) {
   if (plan.strategy == Strategy::StoredLogits || plan.strategy == Strategy::VocabTiles)

@@ -75,12 +75,9 @@ void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool ac
     const int64_t step = std::clamp<int64_t>(b.size(1) > 0 ? a.numel() / b.size(1) : k, 1, std::max<int64_t>(k, 1));
     for (int64_t k0 = 0; k0 < k; k0 += step) {
       const int64_t n = std::min(step, k - k0);
-      const at::Tensor product = at::mm(a.narrow(1, k0, n).to(dtype), b.narrow(0, k0, n).to(dtype));
-      if (accumulate || k0 > 0) {
-        out.add_(product, alpha);
-      } else {
-        at::mul_out(out, product, alpha);
-      }
+      // (into out itself: no out-sized product beside it; beta 0 leaves out's contents unread)
+      at::addmm_out(out, out, a.narrow(1, k0, n).to(dtype), b.narrow(0, k0, n).to(dtype),
+                    /*beta=*/accumulate || k0 > 0 ? 1 : 0, alpha);
     }
     if (k == 0 && !accumulate) out.zero_();
   }

@@ -201,7 +201,11 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
                      const at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == p.x.scalar_type() && out.stride(1) == 1, "fused_ce: bad gradient buffer");
   const KernelVariant& v = *select("logit_grad", p, &out);
-  KernelArgs args = common_args(p);
+  // (the kernel's classes are p.w's rows: a vocabulary slice's targets taken relative to its first; ignored rows
+  // have no coefficient, whatever their target)
+  Problem columns = p;
+  if (p.col_offset != 0) columns.target = p.target - p.col_offset;
+  KernelArgs args = common_args(columns);
   args.ptr("lse_ptr", c.lse)
       .ptr("alpha_ptr", c.alpha)
       .ptr("alpha_lse_ptr", c.alpha_lse)

@@ -28,6 +28,11 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
 Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                              GradMask need, const at::Tensor& kept);
 
+// dW ([V, D] in the input dtype; float16's forward with gradient's at Plan::grad_weight_scale) by the plan's
+// vocabulary slices (Plan::weight_grad_slice_classes), each slice's summed over every row in float32, recomputing
+// the logits, for coefficients `c` with c.lse set.
+at::Tensor weight_grad_by_slices(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c);
+
 // Where a block's gradient coefficients come from: fixed ones, known before the logits (the cross-entropy's), or
 // a function of the block's row stats (the policy loss's, which need each row's log-prob and entropy), called
 // once per block after its stats (combined over vocabulary shards) and before its gradient.

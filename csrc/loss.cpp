@@ -28,6 +28,12 @@ namespace {
 // (ops.cpp: it casts the linear's operands, like F.linear).
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
+// The gradients the row blocks form: dW too unless it comes from vocabulary slices (Plan::weight_grad_slice_classes).
+GradMask without_weight_grad(GradMask need, bool slices) {
+  if (slices) need[1] = false;
+  return need;
+}
+
 // The forward's outputs (loss, lse, entropy, argmax): the Forward pipeline.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(const LossInputs& in, LossOptions o) {
   const Call call(in, std::move(o), Pass::Forward, {});
@@ -64,7 +70,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   GradCoefficients c =
       grad_coefficients(call.p, call.o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
   c.lse = lse.reshape({call.p.N}).to(loss_dtype(call.p)).contiguous();
-  return call.grads(recomputed_grads(call.shard(), call.o, call.plan, call.of_run(c), output_mask));
+  const Problem shard = call.shard();
+  const GradCoefficients run = call.of_run(c);
+  const bool slices = output_mask[1] && call.plan.weight_grad_slice_classes > 0;
+  Grads g = recomputed_grads(shard, call.o, call.plan, run, without_weight_grad(output_mask, slices));
+  if (slices) g.weight = weight_grad_by_slices(shard, call.o, call.plan, run);
+  return call.grads(g);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_keeping_logits(
@@ -123,7 +134,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
   GradCoefficients c =
       grad_coefficients(call.p, call.o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
   c.lse = lse.reshape({call.p.N}).to(loss_dtype(call.p)).contiguous();
-  return call.grads(grads_from_kept_logits(call.shard(), call.o, call.plan, call.of_run(c), output_mask, logits));
+  const Problem shard = call.shard();
+  const GradCoefficients run = call.of_run(c);
+  const bool slices = output_mask[1] && call.plan.weight_grad_slice_classes > 0;
+  Grads g = grads_from_kept_logits(shard, call.o, call.plan, run, without_weight_grad(output_mask, slices), logits);
+  if (slices) g.weight = weight_grad_by_slices(shard, call.o, call.plan, run);
+  return call.grads(g);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -138,7 +154,14 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
                   {/*check=*/true, &unit});
   CoefficientSource source;
   source.fixed = call.of_run(unit);
-  const auto [s, g] = forward_with_grad(call.shard(), call.o, call.plan, source, output_mask);
+  const Problem shard = call.shard();
+  const bool slices = output_mask[1] && call.plan.weight_grad_slice_classes > 0;
+  auto [s, g] = forward_with_grad(shard, call.o, call.plan, source, without_weight_grad(output_mask, slices));
+  if (slices) {  // dW from the vocabulary slices, at the forward's lse
+    GradCoefficients c = source.fixed;
+    c.lse = s.lse;
+    g.weight = weight_grad_by_slices(shard, call.o, call.plan, c);
+  }
   // float16's dX and db come back in float32, dW in float16 times a power of two (loss.h): at unit scale, before
   // the upstream gradient, float16 would lose them to underflow.
   const bool half = input.scalar_type() == at::kHalf;

@@ -168,6 +168,7 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"workspace_bytes", plan.workspace_bytes},
       {"keeps_logits", plan.keeps_logits},
       {"kept_rows", plan.kept_rows},
+      {"weight_grad_slice_classes", plan.weight_grad_slice_classes},
   };
 }
 

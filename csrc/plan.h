@@ -94,6 +94,13 @@ struct Plan {
   // the rows the kept logits hold.
   bool keeps_logits = false;
   int64_t kept_rows = 0;
+  // Where the row blocks would sum bfloat16's or float16's dW in that dtype over more than
+  // input_dtype_accumulations blocks (a budget without room for a float32 V x D accumulator: strategies.cpp), its
+  // error growing with their square root: dW comes instead from a pass of its own over vocabulary slices of this
+  // many classes (weight_grad_by_slices), each slice's summed over every row in a float32 accumulator of the slice
+  // (half the budget), the row blocks forming dX (and db) alone; the logits are formed once more (8NDV, not 6NDV).
+  // 0: dW from the row blocks.
+  int64_t weight_grad_slice_classes = 0;
 };
 
 // `counted`: the rows whose target counts (CountedRows::counted, targets.h), -1 where not known. A problem

@@ -103,19 +103,37 @@ at::ScalarType accumulate_dtype(at::ScalarType dtype, int64_t blocks) {
   return blocks > 1 ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
-// The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
-// more) up to input_dtype_accumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
-// V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
-// within 1.5x of one rounding at any N (benchmarks/LOG.md, step 18). An explicit workspace_bytes smaller
-// than that accumulator is a lean request: it keeps the input dtype, trading dW's accuracy for memory.
 bool lean_request(const Problem& p, const LossOptions& o) {
   return o.workspace_bytes.has_value() && *o.workspace_bytes < p.V * p.D * int64_t{4};
 }
 
+// The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
+// more) up to input_dtype_accumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
+// V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
+// within 1.5x of one rounding at any N (benchmarks/LOG.md, step 18). An explicit workspace_bytes smaller
+// than that accumulator is a lean request: the row blocks keep the input dtype, and dW comes from vocabulary
+// slices of its own instead (weight_grad_slice_classes).
 at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
   return blocks > input_dtype_accumulations(dtype) && !lean_request(p, o) ? at::promote_types(dtype, at::kFloat)
                                                                           : dtype;
 }
+
+// Where the row blocks would sum bfloat16's or float16's dW in that dtype (grad_weight_dtype, as planned) over
+// more than input_dtype_accumulations blocks: dW from vocabulary slices of half the budget's worth of float32 rows
+// instead (Plan::weight_grad_slice_classes; at least kMinWeightGradSliceClasses, beyond a budget smaller than
+// that, as one row of logits is the CPU path's floor). Not the policy loss's, whose coefficients come from each
+// block's stats, nor a vocabulary shard's.
+void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOptions& o, int64_t blocks) {
+  const at::ScalarType dtype = p.x.scalar_type();
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || plan.grad_weight_dtype != dtype || o.policy_loss ||
+      o.vocab_parallel() || blocks <= input_dtype_accumulations(dtype)) {
+    return;
+  }
+  plan.weight_grad_slice_classes = std::clamp<int64_t>(plan.budget_bytes / 2 / (p.D * int64_t{sizeof(float)}),
+                                                       std::min(p.V, kMinWeightGradSliceClasses), p.V);
+}
+
+}  // namespace
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
 // The products run in the input dtype, as torch's F.linear (the weight is never converted: V x D beside it
@@ -123,11 +141,10 @@ at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::Sca
 // product's (or the gradient's) copy in the input dtype beside them, and one more loss-dtype temporary where
 // the softcap's slope or the entropy needs one (aten_stages.cpp). dW of bfloat16 or float16 sums its row blocks
 // in its own dtype up to input_dtype_accumulations blocks, beyond in a float32 accumulator where that fits in
-// half the budget (the blocks take the rest), else in its own dtype: everything within workspace_bytes.
-// float16's gradients at unit scale (the forward with gradient: loss.h) stay float32 through their products,
-// the weight converted a slice at a time (gemm_into): float16 would lose them to underflow.
-}  // namespace
-
+// half the budget (the blocks take the rest), else dW comes from vocabulary slices (weight_grad_slice_classes):
+// everything within workspace_bytes. float16's gradients at unit scale (the forward with gradient: loss.h) stay
+// float32 through their products, the weight converted a slice at a time (gemm_into): float16 would lose them to
+// underflow.
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected) {
   plan.strategy = Strategy::AtenChunks;
   const at::ScalarType dtype = p.x.scalar_type(), math = loss_dtype(p);
@@ -154,6 +171,7 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
       accumulator_bytes = float32_dw;
       plan.block_rows = rows_within(plan.budget_bytes - accumulator_bytes);
     }
+    slice_weight_grad_if_inexact(plan, p, o, cdiv(p.N, plan.block_rows));
     // no row at all (every target ignored): zero gradients, made in the input dtype (float16's in float32, as
     // its forward with gradient always returns them: loss.h)
     if (p.N == 0)
@@ -308,7 +326,9 @@ void plan_backward_from_logits(Plan& plan, const KernelContext& k) {
   rest.N = k.p.N - plan.kept_rows;
   const int64_t kept_bytes = plan.kept_rows * k.p.V * int64_t{c10::elementSize(plan.logits_dtype)};
   k.backward_tiles_of(plan, rest, kept_bytes, k.balanced(rest.N, stored_logits_rows(rest, kept_bytes, k.gathered)));
-  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, 1 + cdiv(rest.N, plan.block_rows));
+  const int64_t blocks = 1 + cdiv(rest.N, plan.block_rows);
+  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, blocks);
+  slice_weight_grad_if_inexact(plan, k.p, k.o, blocks);
   plan.workspace_bytes = plan.kept_rows * k.gathered;  // beside the kept tensor: the kept block's x and dX rows
 }
 
@@ -321,7 +341,9 @@ void plan_backward(Plan& plan, const KernelContext& k) {
   // the gradient tiles from cuBLAS logits: row blocks (each row's dX written once) or slices
   k.backward_tiles_of(plan, k.p, plan.budget_bytes, k.balanced(k.p.N, k.capacity));
   plan.grad_input_dtype = plan.logits_dtype;
-  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, cdiv(k.p.N, plan.block_rows));
+  const int64_t blocks = cdiv(k.p.N, plan.block_rows);
+  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, blocks);
+  slice_weight_grad_if_inexact(plan, k.p, k.o, blocks);
 }
 
 void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
@@ -342,18 +364,19 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   } else {
     k.stored_logits(plan, rows);
   }
-  plan.grad_weight_dtype = grad_weight_dtype(p, k.o, plan.logits_dtype, cdiv(p.N, plan.block_rows));
+  const int64_t blocks = cdiv(p.N, plan.block_rows);
+  plan.grad_weight_dtype = grad_weight_dtype(p, k.o, plan.logits_dtype, blocks);
   if (k.half) {  // gradient blocks at a scale (Plan::grad_scale), dX in float32, dW at grad_weight_scale
     plan.grad_scale = float16_grad_scale(p, k.o);
     plan.grad_input_dtype = plan.grad_weight_dtype = at::kFloat;
     // (not the policy loss: its coefficients have no bound, its dW stays float32)
     if (returns_scaled_float16_weight_grad(p, k.o, plan.pass)) {
       plan.grad_weight_scale = float16_grad_weight_scale(p, k.o);
-      const bool in_float16 =
-          cdiv(p.N, plan.block_rows) <= input_dtype_accumulations(at::kHalf) || lean_request(p, k.o);
+      const bool in_float16 = blocks <= input_dtype_accumulations(at::kHalf) || lean_request(p, k.o);
       if (plan.grad_weight_scale > 0 && in_float16) plan.grad_weight_dtype = at::kHalf;
     }
   }
+  slice_weight_grad_if_inexact(plan, p, k.o, blocks);
 }
 
 }  // namespace

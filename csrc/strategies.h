@@ -50,5 +50,7 @@ inline const ArchConstants& arch_constants(int arch) {
 // cubin), and the embedded kernels'.
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
 void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
+// The fewest classes of Plan::weight_grad_slice_classes (where the vocabulary has them).
+constexpr int64_t kMinWeightGradSliceClasses = 16;
 
 }  // namespace fused_ce

@@ -99,7 +99,7 @@ def test_half_precision_features_within_the_workspace(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_matches_torchs_error(dtype):
     # the products in the input dtype, as torch's: the loss and gradients within torch's own error against
-    # float64 (dW summed in float32 where that fits in the budget, in the input dtype over a lean one)
+    # float64 (dW summed in float32 where that fits in the budget, else by vocabulary slices summed in float32)
     N, D, V = 1024, 64, 4096
     x, w, t = problem(N, D, V, dtype, seed=2)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
@@ -159,3 +159,20 @@ def test_every_op_within_the_workspace(dtype):
     for name, call in _every_op(x, w, t, workspace):
         held = cpu_peak_bytes(call) - gradients
         assert held <= workspace + MiB, (name, held / MiB)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_weight_grad_slices_within_the_workspace(dtype, reduction):
+    # 38 row blocks at this budget: dW from vocabulary slices summed in float32 (Plan::weight_grad_slice_classes),
+    # their accumulator and blocks within the budget too
+    N, D, V = 1024, 256, 50000
+    x, w, t = problem(N, D, V, dtype, seed=5)
+    workspace = 8 * MiB
+    assert fused_ce.plan(
+        x, w, t, reduction=reduction, workspace_bytes=workspace, pass_="backward"
+    ).weight_grad_slice_classes
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = lambda: fused_ce.linear_cross_entropy(xl, wl, t, reduction=reduction, workspace_bytes=workspace)  # noqa: E731
+    held = cpu_peak_bytes(lambda: loss().sum().backward()) - (N * D + V * D) * x.element_size()
+    assert held <= workspace + MiB, held / MiB
