@@ -248,8 +248,8 @@ def test_weight_grad_within_torchs_error_at_any_budget(device, dtype, reduction,
     ).backward()
     for got, eager, want in ((xl.grad, xe.grad, xr.grad), (wl.grad, we.grad, wr.grad), (bl.grad, be.grad, br.grad)):
         assert rel_err(got, want) <= 1.5 * rel_err(eager, want) + 1e-6, (rel_err(got, want), rel_err(eager, want))
-    if workspace is not None:  # (the default budget holds the float32 accumulator: CUDA's outside it)
+    if workspace is not None:  # dW summed in float32: by the row blocks (CUDA's dot tiles), or by slices
         passes = ["backward"] + (["forward_with_grad"] if reduction == "mean" and dtype == torch.bfloat16 else [])
         for pass_ in passes:
             plan = fused_ce.plan(x, w, t, linear_bias=b, reduction=reduction, workspace_bytes=workspace, pass_=pass_)
-            assert plan.weight_grad_slice_classes > 0, plan
+            assert plan.grad_weight_dtype == torch.float32 or plan.weight_grad_slice_classes > 0, plan
