@@ -1,4 +1,5 @@
-"""Every causal LM of the installed transformers that builds from a tiny config, patched with
+"""Every causal LM of the installed transformers that builds from a tiny config, and the vision-language models of
+vlm_models.py (a real image through each), patched with
 fused_ce.integrations.transformers.apply, against an unpatched copy: loss, every gradient, the MoE auxiliary
 loss and router logits, num_items_in_batch, return_dict=False and a tensor logits_to_keep are equal, or apply
 refuses the model. Logits are scaled to a standard deviation of about 4 so that a dropped scale shows.
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+import vlm_models  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
@@ -202,3 +204,52 @@ def test_refused_heads_name_the_reason():
     )
     with pytest.raises(Refused, match="not an nn.Linear"):
         apply(transformers.RobertaForCausalLM(config))
+
+
+@pytest.mark.parametrize("family", vlm_models.FAMILIES)
+def test_vision_language_model_is_reproduced(family):
+    # a real image through the vision tower and projector: the loss and every gradient (theirs included) equal to
+    # the unpatched model's, the logits never built, num_items_in_batch as transformers divides by it
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    ref, inputs = vlm_models.build(transformers, family)
+    with torch.no_grad():
+        scale = 4.0 / ref(**inputs).logits.float().std().clamp_min(1e-6)
+        ref.get_output_embeddings().weight.mul_(scale)
+    try:
+        model = apply(copy.deepcopy(ref), logits="never")
+    except Refused as exc:  # Gemma 3's forward before transformers 5 computes a loss of its own on sliced logits
+        major = int(transformers.__version__.split(".")[0])
+        assert family == "gemma3" and major < 5 and type(ref).__name__ in str(exc), exc
+        return
+    labels = inputs["input_ids"].clone()
+    labels[:, :3] = -100  # a prompt
+    labels[labels == vlm_models.IMAGE] = -100  # the image's placeholders, as trainers' collators mask them
+    want, got = ref(**inputs, labels=labels), model(**inputs, labels=labels)
+    assert got.logits is None, "logits were built"
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    want.loss.backward()
+    got.loss.backward()
+    w_grads, g_grads = grads(ref), grads(model)
+    assert w_grads.keys() == g_grads.keys(), sorted(w_grads.keys() ^ g_grads.keys())
+    towers = [n for n in w_grads if any(k in n for k in ("vision", "visual", "projector", "connector", "mlp1"))]
+    assert towers, sorted(w_grads)  # the image's own parameters have gradients, and they are compared
+    for name in w_grads:
+        difference, size = (g_grads[name] - w_grads[name]).norm().item(), w_grads[name].norm().item()
+        assert difference <= 1e-4 * size + 1e-6, (name, difference, size)
+    items = torch.tensor(5)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(**inputs, labels=labels, num_items_in_batch=items).loss,
+            ref(**inputs, labels=labels, num_items_in_batch=items).loss,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+def test_vision_language_model_whose_head_cannot_be_fused_is_refused_by_name():
+    # Llama 4's forward takes its logits from its language model's own head call (no head call of its own)
+    if not hasattr(transformers, "Llama4ForConditionalGeneration"):
+        pytest.fail(f"transformers {transformers.__version__} has no Llama4ForConditionalGeneration")
+    with pytest.raises(Refused, match="Llama4ForConditionalGeneration"):
+        apply(transformers.Llama4ForConditionalGeneration)

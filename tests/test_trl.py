@@ -425,3 +425,75 @@ def test_distillation_trainer_trains_as_trl_does(beta, tmp_path):
     for name, want in reference.parameters.items():
         error = ((fused.parameters[name] - want).norm() / want.norm()).item()
         assert error < 1e-4, (name, error)
+
+
+def _vlm_processor(tok):
+    """A LLaVA processor over the test's tokenizer: "<image>" expands to the 4 tokens of a 28 x 28 image in 14-pixel
+    patches (the CLS feature dropped: "default" selection)."""
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return transformers.LlavaProcessor(
+        image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+        image_token="<image>", num_additional_image_tokens=1,
+    )  # fmt: skip
+
+
+def test_sft_of_a_vision_language_model_trains_as_trl_does(tmp_path):
+    # TRL's SFT of a LLaVA model on image-text examples: its fused head is fused_ce's (every position of the batch
+    # but the image's, prompts included: the standard "text" format), the same losses, metrics and parameters
+    from PIL import Image
+
+    tok = tokenizer()
+    tok.padding_side = "right"
+    processor = _vlm_processor(tok)
+    config = transformers.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlavaForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    g = torch.Generator().manual_seed(0)
+    pictures = [Image.fromarray((torch.rand(28, 28, 3, generator=g) * 255).byte().numpy()) for _ in range(4)]
+    texts = [f"<image>{p}{c}" for p, c in zip(PROMPTS, PAIRS["chosen"])]
+    data = datasets.Dataset.from_dict({"text": texts * 2, "images": [[p] for p in pictures] * 2})
+    runs = []
+    for fused in (False, True):
+        if fused:
+            fused_trl.apply()
+        try:
+            args = trl.SFTConfig(output_dir=str(tmp_path / str(fused)), per_device_train_batch_size=4, max_steps=3,
+                                 learning_rate=5e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                 save_strategy="no", bf16=False, dataset_kwargs={"skip_prepare_dataset": True},
+                                 remove_unused_columns=False)  # fmt: skip
+            model = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "model")
+            trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=processor)
+            towers = [p for n, p in trainer.model.named_parameters() if "vision_tower" in n or "projector" in n]
+            before = [p.detach().clone() for p in towers]
+            trainer.train()
+        finally:
+            if fused:
+                fused_trl.restore()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        runs.append(
+            Run(
+                [h["loss"] for h in logs],
+                [{k: v for k, v in h.items() if k in ("entropy", "mean_token_accuracy")} for h in logs],
+                {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+                getattr(trainer.model, "_fused_ce_head", False),
+            )
+        )
+        assert any(not torch.equal(b, p) for b, p in zip(before, towers)), "the vision tower did not train"
+    reference, fused = runs
+    assert reference.metrics[0].keys() == {"entropy", "mean_token_accuracy"}
+    assert_same_run(fused, reference, parameters=False)
+    for name, want in reference.parameters.items():
+        if (
+            "k_proj.bias" in name
+        ):  # its gradient is 0 but for rounding (softmax ignores it), which Adam's steps scale up
+            continue
+        difference = (fused.parameters[name] - want).norm().item()
+        assert difference <= 1e-4 * want.norm().item() + 1e-6, (name, difference)  # (unused layers' biases are 0)

@@ -520,6 +520,17 @@ def _causal_lm_classes():
     return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
+def _image_text_classes():
+    """The vision-language models' classes (AutoModelForImageTextToText's, and AutoModelForVision2Seq's where the
+    installed transformers has it): a language head over the text and image tokens, its loss the causal LM's."""
+    from transformers.models.auto import modeling_auto
+
+    names = set()
+    for mapping in ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES"):
+        names.update(getattr(modeling_auto, mapping, {}).values())
+    return names
+
+
 def _model_class(family):
     import transformers
 
@@ -648,8 +659,12 @@ def check(model_or_class):
     cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise Refused(f"fused_ce: {cls.__name__} is not a model (an nn.Module class) of transformers")
-    if cls.__name__ not in _causal_lm_classes() and not cls.__name__.endswith("ForCausalLM"):
-        raise Refused(f"fused_ce: {cls.__name__} is not a causal LM of transformers (AutoModelForCausalLM's classes)")
+    name = cls.__name__
+    if name not in _causal_lm_classes() and name not in _image_text_classes() and not name.endswith("ForCausalLM"):
+        raise Refused(
+            f"fused_ce: {name} is neither a causal LM nor a vision-language model of transformers "
+            "(AutoModelForCausalLM's or AutoModelForImageTextToText's classes)"
+        )
     _, head, _ = _rewritten(cls)
     if isinstance(model_or_class, type):
         _check_head_construction(cls, head)
