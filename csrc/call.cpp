@@ -123,6 +123,14 @@ at::Tensor Call::flagged(const at::Tensor& loss) const {
   return flag_bad_targets(p, loss);
 }
 
+at::Tensor Call::per_target(const at::Tensor& run_rows) const {
+  std::vector<int64_t> shape{run_rows.size(0)};
+  shape.insert(shape.end(), target_shape_.begin(), target_shape_.end());
+  if (!plan.counted_rows_only) return run_rows.reshape(shape);
+  at::Tensor all = at::zeros({run_rows.size(0), p.N}, run_rows.options());
+  return all.index_copy_(1, rows.counted_index(), run_rows).reshape(shape);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::outputs(const RowStats& run_stats) const {
   return fused_ce::outputs(p, plan.counted_rows_only ? every_row(p, o, rows, run_stats) : run_stats, target_shape_);
 }

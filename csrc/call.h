@@ -56,6 +56,9 @@ class Call {
   at::Tensor loss(const RowStats& run_stats) const;
   // A scalar loss made NaN where a CUDA graph capture saw bad class indices (the policy loss's).
   at::Tensor flagged(const at::Tensor& loss) const;
+  // Values per run row ([K, run.N]) as [K, the target's shape], 0 at rows not run (the policy loss's per-token
+  // stats).
+  at::Tensor per_target(const at::Tensor& run_rows) const;
   // (lse, entropy, argmax) of every row shaped like the target (the entropy 0 and the argmax -1 at ignored rows;
   // empty where not asked for): the run's stats, the ignored rows' lse from a forward pass where asked for.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const RowStats& run_stats) const;

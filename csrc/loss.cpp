@@ -219,7 +219,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
   };
   const auto [s, g] = forward_with_grad(call.shard(), call.o, call.plan, source, output_mask);
   const auto [gx, gw, gb] = call.grads(g, input.scalar_type() == at::kHalf);
-  return {call.flagged(policy.loss()), policy.stats(), gx, gw, gb};
+  const at::Tensor stats = policy.stats();
+  return {call.flagged(policy.loss()), stats.numel() > 0 ? call.per_target(stats) : stats, gx, gw, gb};
 }
 
 void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

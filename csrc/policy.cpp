@@ -19,9 +19,11 @@ PolicyRows::PolicyRows(const Problem& p, const PolicyOptions& options, const at:
       old_(per_row(old_log_probs, p)),
       ref_(per_row(ref_log_probs, p)) {
   const auto opts = p.x.options().dtype(loss_dtype(p));
-  counted_ = p.target.ge(0).sum().to(loss_dtype(p));
   // the token mean over the batch by default (nothing counted: 0, not NaN)
-  if (!weights_.defined()) weights_ = (1.0 / counted_.clamp_min(1.0)).expand({p.N});
+  if (!weights_.defined()) {
+    const at::Tensor counted = p.target.ge(0).sum().to(loss_dtype(p));
+    weights_ = (1.0 / counted.clamp_min(1.0)).expand({p.N});
+  }
   terms_ = at::zeros({p.N}, opts);
   if (options_.stats) logged_ = at::zeros({6, p.N}, opts);
 }
@@ -96,8 +98,7 @@ at::Tensor PolicyRows::loss() const {
 }
 
 at::Tensor PolicyRows::stats() const {
-  if (!options_.stats) return at::empty({0}, terms_.options());
-  return logged_.sum(1) / counted_.clamp_min(1.0);
+  return options_.stats ? logged_ : at::empty({0}, terms_.options());
 }
 
 }  // namespace fused_ce

@@ -36,8 +36,9 @@ class PolicyRows {
   // and argmax where asked for), for an upstream gradient of 1; records their loss terms and stats.
   GradCoefficients coefficients(int64_t begin, int64_t end, const RowStats& s) const;
 
-  // The loss (0-dim) and, with stats, [mean ratio, low-clipped fraction, high-clipped fraction, mean KL, mean
-  // entropy, token accuracy] over the counted rows (else empty).
+  // The loss (0-dim) and, with stats, each row's [ratio, clipped low, clipped high, KL, entropy, action is the
+  // argmax] ([6, N], 0 where not counted; else empty): their means over the counted rows are what trainers log
+  // (fused_ce.PolicyStats), their means over each sequence TRL's per-sequence clip extremes.
   at::Tensor loss() const;
   at::Tensor stats() const;
 
@@ -46,7 +47,6 @@ class PolicyRows {
   at::Tensor target_, advantages_, weights_, old_, ref_;  // [N]
   at::Tensor terms_;                                      // [N] each row's w * (pg + kl_coef * kl - entropy_coef * H)
   at::Tensor logged_;                                     // [6, N] each row's stats (0 where not counted)
-  at::Tensor counted_;                                    // 0-dim: the number of counted rows
 };
 
 }  // namespace fused_ce

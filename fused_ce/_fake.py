@@ -171,7 +171,7 @@ def _policy_outputs(a):
     names = ("linear_weight", "target", "advantages", "token_weights", "old_log_probs", "ref_log_probs", "linear_bias")
     _check_devices("linear_policy_loss", input, **{n: a[n] for n in names})
     loss = input.new_empty((), dtype=_loss_dtype(input))
-    return loss, loss.new_empty((6,) if a["return_stats"] else (0,))
+    return loss, loss.new_empty((6, *a["target"].shape) if a["return_stats"] else (0,))
 
 
 @torch.library.register_fake("fused_ce::linear_policy_loss")

@@ -408,7 +408,8 @@ def linear_log_probs(
 
 
 class PolicyStats(NamedTuple):
-    """What trainers log of a policy-gradient step, over the counted tokens (0-dim float32 tensors)."""
+    """What trainers log of a policy-gradient step: means over the counted tokens (0-dim float32 tensors), or with
+    ``return_stats="per_token"`` each token's values shaped like the actions (0 at ignored tokens)."""
 
     ratio: Tensor  # mean probability ratio against the old policy
     clip_low: Tensor  # fraction clipped below (ratio < 1 - clip_low where the advantage is negative)
@@ -437,7 +438,7 @@ def linear_policy_loss(
     logit_scale: float = 1.0,
     linear_bias: Tensor | None = None,
     ignore_index: int | None = -100,
-    return_stats: bool = False,
+    return_stats: bool | str = False,
     process_group=None,
     workspace_bytes: int | None = None,
 ) -> Tensor | tuple[Tensor, PolicyStats]:
@@ -464,11 +465,15 @@ def linear_policy_loss(
         temperature, softcap, logit_scale: the logits are ``softcap(logit_scale * z) / temperature``, as in
             :func:`linear_log_probs`.
         return_stats: also :class:`PolicyStats` (mean ratio, clip fractions, mean KL, mean entropy, token
-            accuracy), computed in the same pass.
+            accuracy), computed in the same pass; ``"per_token"``: each token's (ratio, clipped below and above as
+            0 or 1, KL, entropy, whether the action is the most likely token), shaped like ``actions``, for
+            per-sequence figures (TRL's ``clip_ratio/low_min``: the least of the sequences' low-clipped fractions).
 
     Returns:
         The float32 loss, or ``(loss, PolicyStats)``.
     """
+    if return_stats not in (False, True, "per_token"):
+        raise ValueError(f"linear_policy_loss: return_stats must be a bool or 'per_token', got {return_stats!r}")
     input, linear_weight, actions, linear_bias, _, shard = _vocab_parallel(
         input, linear_weight, actions, linear_bias, None, process_group, None
     )
@@ -476,14 +481,17 @@ def linear_policy_loss(
         "linear_policy_loss", "linear_policy_loss", shard=shard, clip_low=clip_low,
         clip_high=clip_high, kl_coef=kl_coef, kl_times_ratio=kl_times_ratio, entropy_coef=entropy_coef,
         temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
-        return_stats=return_stats, workspace_bytes=workspace_bytes,
+        return_stats=bool(return_stats), workspace_bytes=workspace_bytes,
     )  # fmt: skip
     loss, stats = torch.ops.fused_ce.linear_policy_loss(
         input, linear_weight, actions, advantages, token_weights, old_log_probs, ref_log_probs, linear_bias, **options
     )
     if not return_stats:
         return loss
-    return loss, PolicyStats(*stats.unbind())
+    if return_stats == "per_token":
+        return loss, PolicyStats(*stats.unbind())
+    counted = (actions != ignore_index).sum() if ignore_index is not None else actions.new_tensor(actions.numel())
+    return loss, PolicyStats(*(stats.flatten(1).sum(1) / counted.clamp(min=1)).unbind())
 
 
 def linear_distillation_loss(

@@ -461,3 +461,70 @@ def test_training_example_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| transformers") or line.startswith("| fused")]
     assert len(rows) == 2, out.stdout
+
+
+def _train(model, tmp_path, **args):
+    """A few Trainer steps on a fixed batch: (logged losses, trained parameters)."""
+    ids, labels = batch("cpu", rows=8)
+    data = [dict(input_ids=i, labels=lab) for i, lab in zip(ids, labels)]
+    # (SGD: Adam's normalisation would scale float32's rounding of near-zero gradients up to the step size)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        optim="sgd", learning_rate=0.5, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, seed=0, **args,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_trainer_label_smoothing_through_the_fused_loss(tmp_path):
+    # TrainingArguments(label_smoothing_factor): the Trainer's LabelSmoother would smooth the model's full logits;
+    # switched, the fused loss's label_smoothing gives its loss (normalisation over the accumulated batch included)
+    ref = tiny_model("llama")
+    want_losses, want = _train(copy.deepcopy(ref), tmp_path / "ref", label_smoothing_factor=0.1)
+    model = apply(copy.deepcopy(ref))
+    built = logits_built_by(model)
+    got_losses, got = _train(model, tmp_path / "fused", label_smoothing_factor=0.1)
+    assert built == [], "the label smoother's logits were built"
+    plain_losses, _ = _train(apply(copy.deepcopy(ref)), tmp_path / "plain")
+    assert plain_losses[0] != want_losses[0]  # (the smoothing changes the loss: it is not dropped)
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+    for name, p in want.items():
+        difference = (got[name] - p).norm().item()
+        assert difference <= 1e-4 * p.norm().item(), (name, difference, p.norm().item())
+
+
+def test_peft_modules_to_save_head_trains_its_copy():
+    # PEFT's modules_to_save=["lm_head"] (TRL adds it when a chat template adds tokens): the active copy's weight,
+    # its gradient, the original head untouched
+    peft = pytest.importorskip("peft", reason="needs peft")
+    ref = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                   modules_to_save=["lm_head"]))  # fmt: skip
+    model = apply(copy.deepcopy(ref))
+    ids, labels = batch("cpu")
+    want, got = ref(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    want.loss.backward()
+    got.loss.backward()
+    w_grads, g_grads = grads(ref), grads(model)
+    assert w_grads.keys() == g_grads.keys() and any("modules_to_save" in n and "lm_head" in n for n in g_grads)
+    assert not any("original_module" in n for n in g_grads)
+    for name, g in w_grads.items():
+        torch.testing.assert_close(g_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    with model.disable_adapter():  # the original head, as the wrapper runs it then
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
+
+
+def test_logits_never_with_compute_metrics_names_the_option(tmp_path):
+    ids, labels = batch("cpu", rows=4)
+    data = [dict(input_ids=i, labels=lab) for i, lab in zip(ids, labels)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[],
+                                          use_cpu=True)  # fmt: skip
+    model = apply(tiny_model("llama"), logits="never")
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=data, compute_metrics=lambda p: {"x": 1.0})
+    with pytest.raises(ValueError, match='logits="never".*logits="eval"'):
+        trainer.evaluate()
+    assert "eval_loss" in transformers.Trainer(model=model, args=args, eval_dataset=data).evaluate()  # loss only

@@ -46,7 +46,15 @@ def reward_a_letters(completions, **kwargs):  # a toy reward: how many a's
     return [float(c.count("a")) for c in completions]
 
 
-LOGGED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+LOGGED = (
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
 
 
 class Run(NamedTuple):
@@ -497,3 +505,32 @@ def test_sft_of_a_vision_language_model_trains_as_trl_does(tmp_path):
             continue
         difference = (fused.parameters[name] - want).norm().item()
         assert difference <= 1e-4 * want.norm().item() + 1e-6, (name, difference)  # (unused layers' biases are 0)
+
+
+def test_gkd_trainer_is_not_marked_fused(tmp_path):
+    # GKDTrainer (trl.experimental) inherits SFTTrainer's fused head but computes its loss on full logits: under
+    # apply() its student is not marked as fused_ce's, it says so, and it trains as TRL's own
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    tok = tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    path = tiny_model(tok, tmp_path / "model")
+    data = datasets.Dataset.from_dict(
+        {"messages": [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                      for p, c in zip(PROMPTS, PAIRS["chosen"])] * 2}
+    )  # fmt: skip
+    args = GKDConfig(output_dir=str(tmp_path / "gkd"), per_device_train_batch_size=4, max_steps=2, lmbda=0.0,
+                     report_to=[], use_cpu=True, save_strategy="no", bf16=False, max_length=32)  # fmt: skip
+    fused_trl.apply()
+    try:
+        with pytest.warns(UserWarning, match="GKDTrainer computes its generalised JSD"):
+            trainer = GKDTrainer(model=path, teacher_model=path, args=args, train_dataset=data, processing_class=tok)
+        assert trainer.model._fused_ce_head is False
+        trainer.train()
+    finally:
+        fused_trl.restore()
+    assert not hasattr(GKDTrainer.__init__, "_fused_ce_original")  # restored

@@ -63,6 +63,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     lm_head_bias=None,
     logit_scale=1.0,
     return_token_accuracy=False,
+    label_smoothing=0.0,
     **kwargs,
 ):
     """transformers' ``ForCausalLMLoss`` from the hidden states and the lm_head weight (the signature of the
@@ -70,7 +71,8 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
 
     ``hidden_states [..., T, D]`` and ``labels [..., T]``: position t predicts label t + 1 unless
     ``shift_labels`` is given. 'mean' over the counted tokens, or their sum divided by ``num_items_in_batch``.
-    The logits are ``softcap(logit_scale * (hidden @ W.T + b))``. With ``return_token_accuracy``,
+    The logits are ``softcap(logit_scale * (hidden @ W.T + b))``. ``label_smoothing`` as torch's (the Trainer's
+    ``label_smoothing_factor``: its LabelSmoother's loss). With ``return_token_accuracy``,
     ``(loss, accuracy)``: the fraction of counted tokens whose label is the most likely token (float32, no
     gradient; from the loss's own pass, no host read).
     """
@@ -88,6 +90,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
         ignore_index=ignore_index,
         softcap=final_logit_softcapping,
         logit_scale=logit_scale,
+        label_smoothing=label_smoothing,
         return_argmax=return_token_accuracy,
     )
     loss, argmax = out if return_token_accuracy else (out, None)
@@ -145,7 +148,8 @@ class HeadLogits:
 
     @property
     def vocab_size(self):
-        weight = self.head.weight
+        copies = _saved_copies(self.head)
+        weight = (copies[0] if copies else self.head).weight
         rows = getattr(weight, "ds_shape", weight.shape)[0]  # (DeepSpeed ZeRO-3: a partitioned weight's own shape)
         return rows if self.vocab is None else min(rows, self.vocab)
 
@@ -174,13 +178,35 @@ def _lora_of(head):
     return head
 
 
+def _saved_copies(head):
+    """PEFT's ModulesToSaveWrapper (``modules_to_save=["lm_head"]``, which TRL adds where a chat template adds
+    tokens): the modules its call may run, the original head and each adapter's trained copy; else None."""
+    original, copies = getattr(head, "original_module", None), getattr(head, "modules_to_save", None)
+    if original is None or not isinstance(copies, nn.ModuleDict):
+        return None
+    return [original, *copies.values()]
+
+
 def _head_of(model, name):
     head = getattr(model, name)
-    if not _is_linear(head) and _lora_of(head) is None:
+    copies = _saved_copies(head)
+    if not all(_is_linear(m) or _lora_of(m) is not None for m in (copies or [head])):
         raise Refused(
             f"fused_ce: {type(model).__name__}.{name} is a {type(head).__name__}, not an nn.Linear (nor PEFT's LoRA "
-            "layer on one): its own forward would be skipped; use the model unpatched"
+            "layer or modules_to_save copy of one): its own forward would be skipped; use the model unpatched"
         )
+    return head
+
+
+def _loss_module(head):
+    """The module to call with the loss keyword (_head.py): the head, routed; a modules_to_save wrapper as it is, its
+    copies routed: its call hands the keyword to the copy it runs (the active adapter's, or the original head with
+    adapters disabled), whose weight the loss then takes and trains."""
+    copies = _saved_copies(head)
+    if copies is None:
+        return _route_through(head)
+    for copy in copies:
+        _route_through(copy)
     return head
 
 
@@ -253,6 +279,7 @@ def _fce_loss(model, *args, **kwargs):
     bound.pop("vocab_size", None)
 
     accuracy = getattr(model, _ACCURACY_ATTRIBUTE, None)  # a list where apply(token_accuracy=True) asked
+    bound.update(getattr(model, _TRAINER_LOSS, None) or {})  # the Trainer's label smoother's (_install_trainer_hook)
 
     def loss(head, hidden):  # inside the head's call: its weight whole
         weight, bias = _lora_weight(head) if _lora_of(head) is not None else (head.weight, head.bias)
@@ -266,7 +293,7 @@ def _fce_loss(model, *args, **kwargs):
         accuracy.append(out[1])  # (the head's call returns tensors only: engines' hooks see its output)
         return out[0]
 
-    return _route_through(logits.head)(logits.hidden, **{_LOSS_KEYWORD: loss})
+    return _loss_module(logits.head)(logits.hidden, **{_LOSS_KEYWORD: loss})
 
 
 class _Rewriter(ast.NodeTransformer):
@@ -702,6 +729,9 @@ _ASKS_ACCURACY = "_fused_ce_token_accuracy"
 _ACCURACY_ATTRIBUTE = "_fused_ce_token_accuracies"
 # apply(logits=...) on the model (or class): "eval" or "never"
 _LOGITS_POLICY = "_fused_ce_logits"
+# While the Trainer's compute_loss runs a label-smoothed step through the fused loss: the loss keywords that give its
+# LabelSmoother's loss (label_smoothing, and shift_labels / num_items_in_batch where the smoother's differ)
+_TRAINER_LOSS = "_fused_ce_trainer_loss"
 LOGITS_POLICIES = ("eval", "never")
 
 
@@ -738,7 +768,7 @@ def apply(model, *, token_accuracy=False, logits="eval"):
     cls = model if isinstance(model, type) else type(model)
     if not isinstance(model, type):
         # now, not at the first call: a forward compiled before any eager call then finds the head switched
-        _route_through(getattr(model, head))
+        _loss_module(getattr(model, head))
     current = cls.forward if isinstance(model, type) else model.forward
     if getattr(current, "_fused_ce_original", None) is not None:
         return model  # already switched
@@ -755,9 +785,15 @@ def _is_switched(model):
 
 
 def _install_trainer_hook():
-    """transformers' Trainer asks a fused head for no logits in a loss-only evaluation (``prediction_loss_only``:
-    no ``compute_metrics``) with ``skip_logits=True``, but only for Liger's; its ``prediction_step`` passes it to a
-    model switched to fused_ce too (once; other models' calls unchanged)."""
+    """transformers' Trainer, for a model switched to fused_ce (once; other models' calls unchanged):
+
+    - a loss-only evaluation (``prediction_loss_only``: no ``compute_metrics``) asks a fused head for no logits with
+      ``skip_logits=True``, but only Liger's; its ``prediction_step`` passes it to a switched model too; and one
+      with ``compute_metrics`` on a model applied with ``logits="never"`` is an error naming the option;
+    - ``label_smoothing_factor`` (the Trainer's LabelSmoother, which would take the labels from the model and smooth
+      its full logits) becomes the fused loss's ``label_smoothing`` where the step builds no logits (training, or
+      ``logits="never"``): the smoother's loss, its normalisation and shift included.
+    """
     try:
         from transformers import Trainer
     except ImportError:
@@ -768,12 +804,50 @@ def _install_trainer_hook():
 
     @functools.wraps(original)
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if prediction_loss_only and not self.args.use_liger_kernel and _is_switched(self.model):
-            inputs = {**inputs, "skip_logits": True}
+        if _is_switched(self.model) and not self.args.use_liger_kernel:
+            if prediction_loss_only:
+                inputs = {**inputs, "skip_logits": True}
+            elif getattr(_unwrapped(self.model), _LOGITS_POLICY, "eval") == "never" and "labels" in inputs:
+                raise ValueError(
+                    "fused_ce: this Trainer evaluates with compute_metrics (or predict), which needs the model's "
+                    "logits, but the model was switched with fused_ce.integrations.transformers.apply(model, "
+                    'logits="never"), which builds none: apply it with logits="eval" (the default; evaluation then '
+                    "returns the model's own logits and loss), or evaluate without compute_metrics"
+                )
         return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     prediction_step._fused_ce_original = original
     Trainer.prediction_step = prediction_step
+    original_compute_loss = Trainer.compute_loss
+
+    @functools.wraps(original_compute_loss)
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        smoother, lm = self.label_smoother, _unwrapped(self.model)
+        if (
+            smoother is None
+            or self.compute_loss_func is not None
+            or "labels" not in inputs
+            or not _is_switched(lm)
+            or _builds_logits(lm, inputs.get("skip_logits"))
+        ):
+            return original_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        loss = {"label_smoothing": smoother.epsilon}
+        if lm._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+            loss["shift_labels"] = inputs["labels"]  # (the smoother shifts causal LMs' labels only)
+        if not self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss["num_items_in_batch"] = num_items_in_batch  # (the smoother divides by it either way)
+        setattr(lm, _TRAINER_LOSS, loss)
+        self.label_smoother = None  # (the model's loss, from the labels it now keeps, is the smoother's)
+        try:
+            return original_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.label_smoother = smoother
+            delattr(lm, _TRAINER_LOSS)
+
+    compute_loss._fused_ce_original = original_compute_loss
+    Trainer.compute_loss = compute_loss
 
 
 def keep_causal_sdpa_when_compiled(enabled=True):

@@ -23,8 +23,13 @@ where the configuration maps onto it:
   an entropy bonus, a MoE auxiliary loss, vision inputs. Those keep TRL's own loss,
   on fused_ce's log-probs.
 
-The logged metrics are TRL's (kl, entropy, clip ratios), but for the per-sequence clip extremes
-(``clip_ratio/low_min``, ``high_max``), which the fused loss does not produce.
+The logged metrics are TRL's (kl, entropy, the clip ratios' means and per-sequence extremes ``clip_ratio/low_min``
+and ``high_max``), from the fused loss's per-token stats.
+
+GKDTrainer and OnlineDPOTrainer (``trl.experimental``) compute their losses on full logits of their own (GKD's
+generalised JSD from the student's and the teacher's forward; online DPO's log-probs from its own logits), which
+fused_ce does not replace: GKDTrainer's student, which SFTTrainer gives TRL's fused head that GKD's loss never calls,
+is not marked as fused_ce's, and the trainer warns once; for a fused generalised JSD use DistillationTrainer.
 
 DistillationTrainer's loss (its generalised JSD between the student's and the teacher's heads on the completion
 tokens, ``beta`` and ``temperature``, each head's logit scale and softcap) becomes
@@ -35,6 +40,7 @@ with TRL's normalisation (``num_items_in_batch``) and its logged entropy. TRL is
 import contextlib
 import functools
 import types
+import warnings
 
 import torch
 
@@ -156,7 +162,9 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
         keywords = dict(linear_bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
         if fused_policy is not None:  # GRPOTrainer's loss (_compute_loss below): the policy loss over these tokens
             with head_precision:
-                loss, stats = linear_policy_loss(hidden, weight, labels, **fused_policy, **keywords, return_stats=True)
+                loss, stats = linear_policy_loss(
+                    hidden, weight, labels, **fused_policy, **keywords, return_stats="per_token"
+                )
             return FusedCausalLMOutput(loss=loss, label_mask=mask), stats
         with head_precision:
             out = linear_log_probs(
@@ -267,17 +275,24 @@ def _compute_loss(self, model, inputs, _original=None):
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, fused_policy=policy
         )
     mode = "train" if self.model.training else "eval"
-    # TRL's global_masked_mean of each metric from this rank's means over its tokens: one reduction, one read
+    # TRL's global_masked_mean of each metric from this rank's per-token values (0 at tokens not counted): one
+    # reduction, one read
     logged = {"kl": stats.kl} if self.beta != 0.0 else {}  # (in TRL's order)
     logged["entropy"] = stats.entropy
     logged["clip_ratio/low_mean"], logged["clip_ratio/high_mean"] = stats.clip_low, stats.clip_high
     logged["clip_ratio/region_mean"] = stats.clip_low + stats.clip_high
-    count = mask.sum().float()
+    counted = labels[:, 1:] != -100
     totals = self.accelerator.reduce(
-        torch.stack([*(v.detach() * count for v in logged.values()), count]), reduction="sum"
+        torch.stack([*(v.detach().sum() for v in logged.values()), counted.sum().float()]), reduction="sum"
     )
     for name, total in zip(logged, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()):
         self._metrics[mode][name].append(total)
+    # the per-sequence clip fractions' extremes over every rank's sequences (TRL's masked_seq_mean, nanmin/nanmax)
+    tokens = counted.sum(-1)
+    for name, flags, extreme in (("low_min", stats.clip_low, torch.min), ("high_max", stats.clip_high, torch.max)):
+        per_sequence = self.accelerator.gather(flags.detach().sum(-1) / tokens)  # (NaN: a sequence without tokens)
+        present = per_sequence[~per_sequence.isnan()]
+        self._metrics[mode][f"clip_ratio/{name}"].append(extreme(present).item() if present.numel() else float("nan"))
     return out.loss
 
 
@@ -343,10 +358,49 @@ def _trl_modules(function):
     ]
 
 
+def _gkd_trainer():
+    """trl.experimental's GKDTrainer, where this TRL has it (imported quietly: its experimental warning is TRL's
+    to give when a user imports it)."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("trl.experimental.gkd") is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.gkd import GKDTrainer
+    return GKDTrainer
+
+
+def _unflag_gkd(trainer_class):
+    """GKDTrainer builds on SFTTrainer, which gives the student TRL's fused head, but computes its generalised JSD
+    on both models' full logits (its own compute_loss): the student is not marked fused_ce's, and the trainer says
+    so once, naming DistillationTrainer (whose loss is fused)."""
+    init = trainer_class.__init__
+    if hasattr(init, "_fused_ce_original"):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        student._fused_ce_head = False
+        warnings.warn(
+            "fused_ce.integrations.trl: GKDTrainer computes its generalised JSD on the student's and the teacher's "
+            "full logits (TRL's own loss, which fused_ce does not replace); DistillationTrainer's loss is fused "
+            "(fused_ce.linear_distillation_loss)",
+            stacklevel=2,
+        )
+
+    __init__._fused_ce_original = init
+    trainer_class.__init__ = __init__
+
+
 def apply():
     """Switch TRL's fused LM head to fused_ce, GRPOTrainer's loss to fused_ce.linear_policy_loss where its
     configuration maps onto it, and DistillationTrainer's loss to fused_ce.linear_distillation_loss. Call before
-    building the trainer; returns the patched GRPO trainer class."""
+    building the trainer; returns the patched GRPO trainer class. GKDTrainer and OnlineDPOTrainer keep TRL's own
+    losses on full logits (GKDTrainer's student is not marked fused, and says so)."""
     import trl
     import trl.trainer.utils as utils
     from trl.trainer import grpo_trainer
@@ -389,6 +443,9 @@ def apply():
 
         divergence._fused_ce_original = distillation._chunked_divergence_loss
         distillation._chunked_divergence_loss = divergence
+    gkd = _gkd_trainer()
+    if gkd is not None:
+        _unflag_gkd(gkd)
     return trainer
 
 
@@ -408,3 +465,6 @@ def restore():
     distillation = _distillation_module()
     if distillation is not None and hasattr(distillation._chunked_divergence_loss, "_fused_ce_original"):
         distillation._chunked_divergence_loss = distillation._chunked_divergence_loss._fused_ce_original
+    gkd = _gkd_trainer()
+    if gkd is not None and hasattr(gkd.__init__, "_fused_ce_original"):
+        gkd.__init__ = gkd.__init__._fused_ce_original
