@@ -10,8 +10,11 @@ compiler; no GPU and no CUDA toolkit. Build without isolation so the extension
 matches the installed torch: ``pip install --no-build-isolation .``
 """
 
+import importlib.util
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 try:
@@ -68,7 +71,20 @@ class BuildWithKernels(BuildExtension):
         subprocess.check_call([sys.executable, str(ROOT / "fused_ce" / "_build" / "aot.py"), str(out_dir)])
         for ext in self.extensions:
             ext.sources.append(str(out_dir / "kernel_table.cpp"))
+        aot = _aot_module()  # (its progress lines: the terminal where there is one, as the kernels')
+        progress, start = aot.progress_stream(), time.monotonic()
+        sources = sum(len(ext.sources) for ext in self.extensions)
+        aot.report(progress, f"fused_ce build: C++ library, {sources} sources (ninja; -v shows each)...", end=False)
         super().build_extensions()
+        aot.report(progress, f"fused_ce build: C++ library, {sources} sources ({time.monotonic() - start:.0f} s)")
+
+
+def _aot_module():
+    """fused_ce/_build/aot.py loaded by path (the package needs the library being built)."""
+    spec = importlib.util.spec_from_file_location("_fused_ce_aot", ROOT / "fused_ce" / "_build" / "aot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 setup(
@@ -79,8 +95,9 @@ setup(
             "fused_ce._C",
             sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")),
             include_dirs=[str(ROOT / "csrc")],
-            # no debug info in the released library (it was a quarter of its size)
-            extra_compile_args=["-O2", "-g0"],
+            # no debug info in the released library (it was a quarter of its size); FUSED_CE_WERROR=1 (CI's
+            # builds) makes a compiler warning an error
+            extra_compile_args=["-O2", "-g0"] + (["-Werror"] if os.environ.get("FUSED_CE_WERROR") else []),
             extra_link_args=["-Wl,--strip-debug"],
             libraries=["dl"],
             # no libtorch_python: the library registers ops only and loads outside Python too

@@ -20,7 +20,7 @@ class Workspace {
 
   at::Tensor take(at::IntArrayRef shape, const at::TensorOptions& options) {
     const int64_t numel = c10::multiply_integers(shape);
-    const int64_t bytes = numel * int64_t{c10::elementSize(options.dtype().toScalarType())};
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
     const int64_t begin = (used_ + 255) / 256 * 256;  // aligned for every dtype and for cuBLAS
     if (!bytes_.defined() || begin + bytes > bytes_.numel()) return at::empty(shape, options);
     used_ = begin + bytes;

@@ -239,7 +239,7 @@ void check_row_output(const Problem& p, const at::Tensor& t) {
 int64_t cuda_logits_row_bytes(const Problem& p) {
   const KernelVariant* tiles = select("logit_partials", p, nullptr);
   const int64_t segments = tiles != nullptr ? cdiv(p.V, tiles->block_v) : 0;
-  return p.V * int64_t{c10::elementSize(p.x.scalar_type())} + 3 * int64_t{sizeof(float)} * segments;
+  return p.V * static_cast<int64_t>(c10::elementSize(p.x.scalar_type())) + 3 * int64_t{sizeof(float)} * segments;
 }
 
 void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out) {
@@ -369,7 +369,7 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOpt
   launch(v, p.x.device(), 1, args);
   // gamma only with label smoothing (GradCoefficients)
   if (unit != nullptr)
-    *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), o.smoothing() ? row(3) : at::Tensor()};
+    *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), o.smoothing() ? row(3) : at::Tensor(), at::Tensor()};
   return counts;
 }
 

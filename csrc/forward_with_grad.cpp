@@ -31,7 +31,6 @@ at::Tensor counted_rows_t_times(const Problem& p, const at::Tensor& gamma, int64
 std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, const Plan& plan,
                                       const CoefficientSource& c, GradMask need) {
   const bool stored_logits = plan.strategy == Strategy::StoredLogits;
-  const auto dtype = loss_dtype(p);
   const auto gemm_dtype = plan.logits_dtype;
   const double unscale = 1.0 / plan.grad_scale;  // the gradient blocks' scale, divided out by the GEMMs
   // dW's own scale (float16's, Plan::grad_weight_scale; 0: none yet, unit scale) applied by its GEMMs

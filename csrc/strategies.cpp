@@ -30,7 +30,7 @@ int64_t balanced_block_rows(int64_t N, int64_t capacity, int64_t tile_rows) {
 // gathered and, with gradients, its rows of dX before they are scattered.
 int64_t gathered_row_bytes(const Problem& p, Pass pass, bool selected) {
   if (!selected) return 0;
-  const int64_t x_row = p.D * int64_t{c10::elementSize(p.x.scalar_type())};
+  const int64_t x_row = p.D * static_cast<int64_t>(c10::elementSize(p.x.scalar_type()));
   return pass == Pass::Forward ? x_row : 2 * x_row;
 }
 
@@ -324,7 +324,7 @@ void plan_backward_from_logits(Plan& plan, const KernelContext& k) {
   // no longer needs by then (one more row block for dW's accumulation).
   Problem rest = k.p;
   rest.N = k.p.N - plan.kept_rows;
-  const int64_t kept_bytes = plan.kept_rows * k.p.V * int64_t{c10::elementSize(plan.logits_dtype)};
+  const int64_t kept_bytes = plan.kept_rows * k.p.V * static_cast<int64_t>(c10::elementSize(plan.logits_dtype));
   k.backward_tiles_of(plan, rest, kept_bytes, k.balanced(rest.N, stored_logits_rows(rest, kept_bytes, k.gathered)));
   const int64_t blocks = 1 + cdiv(rest.N, plan.block_rows);
   plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, blocks);
@@ -359,8 +359,8 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
     plan.stats_block_rows = rows;
     plan.block_rows = k.balanced(p.N, std::min<int64_t>(p.N, k.arch.vocab_tile_rows));
     plan.tile_cols = cols;
-    plan.workspace_bytes =
-        std::max(rows * k.row_bytes, plan.block_rows * cols * int64_t{c10::elementSize(p.x.scalar_type())});
+    plan.workspace_bytes = std::max(rows * k.row_bytes,
+                                    plan.block_rows * cols * static_cast<int64_t>(c10::elementSize(p.x.scalar_type())));
   } else {
     k.stored_logits(plan, rows);
   }

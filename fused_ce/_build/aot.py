@@ -189,15 +189,25 @@ def _sources_digest():
     return h.hexdigest()
 
 
-def _progress_stream():
-    """Where progress lines go: the terminal where there is one (pip captures the build's output and shows it
-    only with -v), else standard output."""
+def progress_stream():
+    """Where the build's progress lines go: the terminal where there is one (pip captures the build's output and
+    shows it only with -v), else standard output (shown with pip's -v)."""
     if sys.stdout.isatty():
         return sys.stdout
     try:
         return open("/dev/tty", "w")  # noqa: SIM115  (kept open for the build)
     except OSError:
         return sys.stdout
+
+
+def report(stream, message, end=True, milestone=False):
+    """A progress line of a build stage: on a terminal one line redrawn in place, kept at the stage's end; elsewhere
+    (pip -v's log) the stage's end and its milestones (each tenth of its work) only."""
+    if stream.isatty():
+        stream.write(f"\r\033[K{message}" + ("\n" if end else ""))
+    elif end or milestone:
+        stream.write(message + "\n")
+    stream.flush()
 
 
 def _emit_table(variants, out_dir):
@@ -256,8 +266,9 @@ def build(out_dir, archs=None, jobs=None, log=print):
         for dtype, layout in kernel_spec(kernel).variants()
     ]
     results, failed = {}, {}
-    progress = _progress_stream()
+    progress = progress_stream()
     start = time.monotonic()
+    tenth = max(1, len(work) // 10)
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(compile_variant, *w): w for w in work}
         for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
@@ -268,12 +279,10 @@ def build(out_dir, archs=None, jobs=None, log=print):
             except Exception as exc:  # an arch this triton cannot target
                 failed.setdefault(arch, f"{kernel}/{dtype}/{layout}: {type(exc).__name__}: {exc}".splitlines()[0])
                 status = "failed"
-            print(
-                f"fused_ce AOT [{done}/{len(work)}] sm_{arch} {kernel} {dtype} {layout}: {status} "
-                f"({time.monotonic() - start:.0f} s)",
-                file=progress,
-                flush=True,
-            )
+            line = f"fused_ce build: kernels {done}/{len(work)} ({time.monotonic() - start:.0f} s)"
+            if status == "failed":
+                line += f", sm_{arch} {kernel} {dtype} {layout} failed"
+            report(progress, line, end=done == len(work), milestone=done % tenth == 0 or status == "failed")
     built = []
     for a in archs:
         if a in failed:
