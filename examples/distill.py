@@ -116,6 +116,7 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for setting, r in results.items():
@@ -125,6 +126,7 @@ def main():
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out / "distill.png", dpi=120)
+    print(f"plot: {args.out / 'distill.png'}")
 
 
 if __name__ == "__main__":

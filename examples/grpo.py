@@ -2,6 +2,7 @@
 
     pip install trl matplotlib                                  # besides fused_ce (trl brings transformers)
     python examples/grpo.py --device cuda                       # one H200: every setting, the largest batch each fits
+    python examples/grpo.py --device cpu --settings trl,fused_ce  # a CPU: a small model, one batch (~2 minutes)
     python examples/grpo.py --settings trl,fused_ce --batches 16 --steps 3   # a fixed batch, no search
 
 The settings: TRL as it comes ("trl": from TRL 1.15 its chunked fused head for the log-probs, the loss in torch;
@@ -14,7 +15,8 @@ lm_head is a large part of the work; prompts are random token strings, completio
 --batches (prompts × generations, until one is out of memory), --steps steps each, each run in a process of its
 own (none inherits another's warm-up); the first step warms up and is not counted.
 The table gives, at the largest batch each setting fits, the time per training step (generation included, and
-the part that is not generation), tokens/s and peak memory; a PNG plots them. Results go to --out.
+the part that is not generation), tokens/s and peak memory (on a CPU the run's peak resident memory, the model's
+included); a PNG plots them (with matplotlib). Results go to --out.
 """
 
 import argparse
@@ -23,6 +25,7 @@ import gc
 import io
 import json
 import pstats
+import resource
 import subprocess
 import sys
 import tempfile
@@ -150,7 +153,10 @@ def run(setting, batch, args, model_path, tokenizer):
     step = sum(timer.steps[measured]) / len(timer.steps[measured])
     generation = sum(timer.generation[measured]) / len(timer.generation[measured])
     tokens = batch * (args.prompt_length + args.completion_length)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:  # this run's process's peak resident memory (each run has a process of its own), KiB on Linux
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return dict(setting=setting, batch=batch, step_s=step, train_s=step - generation, tokens_per_s=tokens / step,
                 train_tokens_per_s=tokens / (step - generation), peak_gib=peak)  # fmt: skip
 
@@ -187,7 +193,7 @@ def plot(best, out):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(no matplotlib: no plot)")
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
     names = [r["setting"] for r in best]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -203,28 +209,42 @@ def plot(best, out):
     print(f"plot: {name}")
 
 
+# The sizes a setting runs at unless given: on a GPU the batch search up to what fits, on a CPU a small model and one
+# batch that takes a minute or two (the vocabulary stays Qwen2's: the head is the point).
+DEFAULT_SIZES = {
+    "cuda": dict(batches="32,64,128,256,512,1024", hidden=1024, layers=4, prompt_length=64, completion_length=192,
+                 generations=8),
+    "cpu": dict(batches="8", hidden=64, layers=2, prompt_length=16, completion_length=24, generations=4),
+}  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="%(default)s")
     parser.add_argument(
-        "--batches",
-        default="32,64,128,256,512,1024",
-        help="completions per step, tried in order until one is out of memory (%(default)s)",
+        "--batches", help="completions per step, tried in order until one is out of memory (by device: see below)"
     )
     parser.add_argument("--vocab", type=int, default=151936, help="%(default)s (Qwen2's)")
-    parser.add_argument("--hidden", type=int, default=1024, help="%(default)s")
-    parser.add_argument("--layers", type=int, default=4, help="%(default)s")
-    parser.add_argument("--prompt-length", type=int, default=64, help="%(default)s")
-    parser.add_argument("--completion-length", type=int, default=192, help="%(default)s")
-    parser.add_argument("--generations", type=int, default=8, help="per prompt (%(default)s)")
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--prompt-length", type=int)
+    parser.add_argument("--completion-length", type=int)
+    parser.add_argument("--generations", type=int, help="per prompt")
     parser.add_argument("--steps", type=int, default=3, help="per batch, the first a warm-up (%(default)s)")
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (%(default)s)")
     parser.add_argument("--loss-type", default="dapo", help="%(default)s (TRL's default)")
     parser.add_argument("--profile", action="store_true", help="cProfile each run: profile_<setting>_<batch>.txt")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "grpo"))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # "setting:batch:model path": one run, in this process
+    parser.epilog = "Defaults by device: " + "; ".join(
+        f"{device}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items())
+        for device, sizes in DEFAULT_SIZES.items()
+    )
     args = parser.parse_args()
+    for name, value in DEFAULT_SIZES["cpu" if args.device == "cpu" else "cuda"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.one:
         setting, batch, model_path = args.one.split(":", 2)
         print("RESULT " + json.dumps(one_run(setting, int(batch), args, model_path)))

@@ -294,7 +294,7 @@ def plot(runs, path, args):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: no plot (pip install matplotlib)")
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
