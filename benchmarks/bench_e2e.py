@@ -20,6 +20,11 @@ largest that ran, eager only (a compiled model recompiles at each batch); ``--at
 and reports its attention kernels' time, ``--head-ms`` the same step's head: its GEMMs (the products with an operand
 of the vocabulary's size) and its passes (the loss's kernels by name).
 
+``--model qwen2-vl-2b``: a Qwen2-VL-2B-shaped vision-language model instead (text 1536 wide, 28 layers, the
+151,936-token vocabulary; its 32-layer vision tower), each sequence one 448 x 448 image (256 tokens) and text, an
+SFT step as the Trainer and TRL before 1.15 run it (the model's loss from its labels, backward, AdamW); Liger's
+setting patches it with ``apply_liger_kernel_to_qwen2_vl``, its fused linear cross-entropy only.
+
     python benchmarks/bench_e2e.py [--methods transformers,liger,fused_ce] [--modes eager,compiled]
         [--masks full,half] [--batch 4] [--seq 4096] [--steps 4] [--find-max-batch] [--attention-ms] [--head-ms]
 
@@ -50,20 +55,45 @@ LLAMA_3_2_1B = dict(
 )
 TINY = dict(LLAMA_3_2_1B, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+# --model qwen2-vl-2b: Qwen2-VL-2B's shape (text 28 layers of 1536, 12 heads of 128, 2 KV heads, the 151,936-token
+# vocabulary, tied embeddings; its 32-layer 1280-wide vision tower), random init; each sequence one 448 x 448 image
+# (32 x 32 patches of 14, 256 tokens after the 2 x 2 merge) and text around it
+QWEN2_VL_2B = dict(
+    text_config=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                     num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                     rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, tie_word_embeddings=True),
+    vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    tie_word_embeddings=True,
+)  # fmt: skip
+QWEN2_VL_TINY = dict(
+    QWEN2_VL_2B, text_config=dict(QWEN2_VL_2B["text_config"], hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+    vision_config=dict(QWEN2_VL_2B["vision_config"], depth=2, embed_dim=32, hidden_size=64, num_heads=2),
+)  # fmt: skip
+IMAGE_GRID = (1, 32, 32)  # (t, h, w) patches of each sequence's image
 
 
-def build(method, tiny, device):
+def build(method, tiny, device, model_name="llama-3.2-1b"):
     import transformers
 
-    config = transformers.LlamaConfig(**(TINY if tiny else LLAMA_3_2_1B), attn_implementation="sdpa")
-    if method == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    vlm = model_name == "qwen2-vl-2b"
+    if vlm:
+        config = transformers.Qwen2VLConfig(**(QWEN2_VL_TINY if tiny else QWEN2_VL_2B), attn_implementation="sdpa")
+    else:
+        config = transformers.LlamaConfig(**(TINY if tiny else LLAMA_3_2_1B), attn_implementation="sdpa")
+    if method == "liger":  # its fused linear cross-entropy only: the head is what differs
+        from liger_kernel import transformers as liger
 
-        apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)  # fmt: skip
+        patch = liger.apply_liger_kernel_to_qwen2_vl if vlm else liger.apply_liger_kernel_to_llama
+        kernels = dict(rope=False, rms_norm=False, cross_entropy=False, fused_linear_cross_entropy=True)
+        patch(**kernels, **(dict(layer_norm=False, swiglu=False) if vlm else dict(swiglu=False)))
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        cls = transformers.Qwen2VLForConditionalGeneration if vlm else transformers.LlamaForCausalLM
+        model = cls(config).to(torch.bfloat16)
     if method == "fused_ce":
         from fused_ce.integrations.transformers import apply
 
@@ -71,13 +101,30 @@ def build(method, tiny, device):
     return model.train()
 
 
-def batch_of(batch, seq, vocab, mask, device, seed=1):
+def batch_of(batch, seq, vocab, mask, device, seed=1, model=None):
+    """(inputs, labels): random text, the first half of each sequence masked with "half"; a vision-language model's
+    sequences each begin with one image (its placeholder tokens masked, as collators mask them)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=g)
+    ids = torch.randint(0, min(vocab, 151000), (batch, seq), device=device, generator=g)
+    inputs = {}
+    config = getattr(model, "config", None)
+    if getattr(config, "image_token_id", None) is not None:
+        t, h, w = IMAGE_GRID
+        tokens = t * h * w // config.vision_config.spatial_merge_size**2
+        ids[:, 0] = config.vision_start_token_id
+        ids[:, 1 : 1 + tokens] = config.image_token_id
+        ids[:, 1 + tokens] = config.vision_end_token_id
+        patch = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+        inputs["pixel_values"] = torch.randn(batch * t * h * w, patch, device=device, generator=g).bfloat16()
+        inputs["image_grid_thw"] = torch.tensor([IMAGE_GRID] * batch, device=device)
+        if "mm_token_type_ids" in __import__("inspect").signature(model.forward).parameters:
+            inputs["mm_token_type_ids"] = (ids == config.image_token_id).long()
     labels = ids.clone()
     if mask == "half":
         labels[:, : seq // 2] = -100
-    return ids, labels
+    if inputs:
+        labels[ids == config.image_token_id] = -100
+    return dict(input_ids=ids, **inputs), labels
 
 
 ATTENTION_KERNELS = ("sdpa", "flash", "fmha", "attention")
@@ -115,7 +162,7 @@ def run_one(setting, args):
     """One setting in this process: {tokens_per_s, peak_gib, loss, ...} (or an error), as a JSON line."""
     method, mode, mask = setting.split("/")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build(method, args.tiny, device)
+    model = build(method, args.tiny, device, args.model)
     step_model = model
     if mode == "compiled":
         step_model = torch.compile(model)
@@ -127,17 +174,17 @@ def run_one(setting, args):
         keep_causal_sdpa_when_compiled()
         step_model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
 
-    def step(ids, labels):
-        loss = step_model(input_ids=ids, labels=labels).loss
+    def step(inputs, labels):
+        loss = step_model(**inputs, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def timed(batch, steps, warmup):
-        ids, labels = batch_of(batch, args.seq, vocab, mask, device)
+        ids, labels = batch_of(batch, args.seq, vocab, mask, device, model=model)
         for _ in range(warmup):
             step(ids, labels)
         if device == "cuda":
@@ -155,7 +202,7 @@ def run_one(setting, args):
 
     result = dict(setting=setting, batch=args.batch, **timed(args.batch, args.steps, args.warmup))
     if (args.attention_ms or args.head_ms) and device == "cuda":  # one more step, profiled
-        ids, labels = batch_of(args.batch, args.seq, vocab, mask, device)
+        ids, labels = batch_of(args.batch, args.seq, vocab, mask, device, model=model)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
             step(ids, labels)
@@ -188,6 +235,7 @@ def main():
     parser.add_argument("--attention-ms", action="store_true", help="profile one more step: its attention kernels' ms")
     parser.add_argument("--head-ms", action="store_true", help="profile one more step: the head's GEMMs and passes")
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--model", default="llama-3.2-1b", choices=["llama-3.2-1b", "qwen2-vl-2b"])
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (to check the script, e.g. on CPU)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per setting")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -199,7 +247,8 @@ def main():
 
     settings = [f"{m}/{mode}/{mask}" for mask in args.masks.split(",") for mode in args.modes.split(",")
                 for m in args.methods.split(",")]  # fmt: skip
-    forwarded = [f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--batch={args.batch}",
+    forwarded = [f"--model={args.model}", f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+                 f"--batch={args.batch}",
                  f"--max-batch={args.max_batch}", *(["--tiny"] if args.tiny else []),
                  *(["--find-max-batch"] if args.find_max_batch else []),
                  *(["--attention-ms"] if args.attention_ms else []),
@@ -236,6 +285,8 @@ def main():
               f"{r['loss']:.4f} |")  # fmt: skip
     if args.head_ms:
         config = TINY if args.tiny else LLAMA_3_2_1B
+        if args.model == "qwen2-vl-2b":
+            config = (QWEN2_VL_TINY if args.tiny else QWEN2_VL_2B)["text_config"]
         flops = 6 * args.batch * args.seq * config["hidden_size"] * config["vocab_size"]
         print(f"\nthe head's 6NDV with every token counted: {flops / 1e12:.1f} TFLOP, {flops / 680e12 * 1e3:.1f} ms "
               "at 680 TFLOP/s (the H200's sustained rate at its power limit)")  # fmt: skip
