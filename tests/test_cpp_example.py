@@ -5,6 +5,7 @@ calls the op through the dispatcher and runs the backward through libtorch's aut
 """
 
 import math
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,8 +31,12 @@ def test_cpp_example_matches_python(tmp_path):
     configure = [cmake, "-S", str(EXAMPLE), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"]
     subprocess.run([*configure, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"], check=True)
     subprocess.run([cmake, "--build", str(build), "-j2"], check=True)
+    # float32 products' sums depend on the thread count (MKL splits them by it); libtorch takes OMP_NUM_THREADS
+    # as given where Python's torch caps it at the cores: the program runs with this process's count.
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     out = subprocess.run(
-        [str(build / "fused_ce_example"), fused_ce.library_path()], capture_output=True, text=True, timeout=300
+        [str(build / "fused_ce_example"), fused_ce.library_path()], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr
     got = {k: float(v) for k, v in (line.split() for line in out.stdout.splitlines())}
