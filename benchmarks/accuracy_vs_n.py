@@ -18,7 +18,6 @@ GEMM each for dX and dW), for each of --dtypes. Writes accuracy_per_token.{json,
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -202,7 +201,7 @@ def main():
     parser.add_argument("--v", type=int, default=128256)
     parser.add_argument("--loss", choices=("mean", "per_token"), default="mean")
     parser.add_argument("--dtypes", default="bfloat16,float16", help="per_token: the input dtypes")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.loss == "per_token":

@@ -16,7 +16,6 @@ Prints a table and writes a JSON file and a PNG plot of time and workspace again
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -273,7 +272,7 @@ def main():
     parser.add_argument("--ignored", type=float, default=0.1, help="fraction of targets set to ignore_index")
     parser.add_argument("--mask", default="scattered", choices=["scattered", "prompt"])
     parser.add_argument("--tag", default="", help="suffix of the result files (bench{tag}.json / .png)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.repeat = 1, 5

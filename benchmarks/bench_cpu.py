@@ -35,7 +35,7 @@ def main():
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--v", type=int, default=32000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     rows = []
     for n in [int(s) for s in args.ns.split(",")]:

@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -131,7 +130,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     xs, ws, xt, wt, target, top_k = inputs(args.ignored)
     counted = int((target != -100).sum())

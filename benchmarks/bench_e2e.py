@@ -33,7 +33,6 @@ Prints a table and writes bench_e2e{tag}.json / .png to --out.
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -240,7 +239,7 @@ def main():
     parser.add_argument("--timeout", type=int, default=300, help="seconds per setting")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--tag", default="")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.one:
         return run_one(args.one, args)

@@ -27,7 +27,6 @@ and the gradients it returns. Prints a table and writes bench_rl.json and bench_
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -288,7 +287,7 @@ def main():
     parser.add_argument("--ignored", default="0,0.1", help="fractions of targets ignored (comma list; not GRPO's)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rl.py times CUDA kernels")

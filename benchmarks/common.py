@@ -5,7 +5,6 @@ Run the scripts as ``python benchmarks/NAME.py``: their own folder is then on sy
 
 import argparse
 import math
-import os
 import platform
 import statistics
 import threading
@@ -172,10 +171,10 @@ def plan_summary(x, w, t, **kwargs):
 
 
 def shape_parser(doc, repeat):
-    """An argument parser with --shape, --warmup, --repeat and --out (results/, or $OUT where set)."""
+    """An argument parser with --shape, --warmup, --repeat and --out (by default benchmarks/results/)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--shape", default="A")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=repeat)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     return parser

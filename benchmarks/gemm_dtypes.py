@@ -11,7 +11,6 @@ clock each holds). Prints a table and writes gemm_dtypes.json and gemm_dtypes.pn
 
 import argparse
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -53,7 +52,7 @@ def main():
     parser.add_argument("--variants", action="store_true", help="also dX and dW with their operands' layouts swapped")
     parser.add_argument("--float32-out", action="store_true", help="dX and dW written in float32 (the float16 path's)")
     parser.add_argument("--blas", default="", help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     env = environment()
     print(f"{env['date']} {env['device']} torch {env['torch']}")

@@ -16,7 +16,6 @@ torch.cuda). Prints a table and writes timing_modes.json and timing_modes.png to
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -95,7 +94,7 @@ def main():
     parser.add_argument("--ignored", default="0,0.1", help="fractions of targets ignored (comma list)")
     parser.add_argument("--calls", type=int, default=8, help="calls between one pair of events, back to back")
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     env = environment()
     print(f"{env['date']} {env['device']} torch {env['torch']} triton {env['triton']}")

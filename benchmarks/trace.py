@@ -16,7 +16,6 @@ calls that block (synchronisations, allocations). Writes trace.json to --out.
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -152,7 +151,7 @@ def main():
     parser.add_argument("--ignored", type=float, default=0.1, help="fraction of targets set to ignore_index")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--n", type=int, default=0, help="rows (0: the shape's)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     workload = "per_token" if args.per_token else args.workload
     env = environment()

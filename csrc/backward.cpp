@@ -6,6 +6,7 @@
 #include "aten_stages.h"
 #include "cuda_stages.h"
 #include "executors.h"
+#include "format.h"
 
 namespace fused_ce {
 
@@ -108,9 +109,9 @@ Grads grads_from_kept_logits(const Problem& p, const LossOptions& o, const Plan&
   TORCH_CHECK(kept.dim() == 2 && kept.size(0) >= plan.kept_rows && kept.size(1) == p.V && kept.stride(1) == 1 &&
                   (plan.kept_rows >= p.N || kept.is_contiguous()) && kept.scalar_type() == plan.logits_dtype &&
                   kept.device() == p.x.device(),
-              "fused_ce: the kept logits must be [>= ", plan.kept_rows, ", ", p.V, "] contiguous ",
-              c10::toString(plan.logits_dtype), " rows on ", p.x.device().str(), ", got ", kept.sizes(), " ",
-              kept.scalar_type());
+              "fused_ce: the kept logits must be [>= ", num(plan.kept_rows), ", ", num(p.V), "] contiguous ",
+              name(plan.logits_dtype), " rows on ", p.x.device().str(), ", got ", shape(kept.sizes()), " ",
+              name(kept.scalar_type()));
   return stored_logit_grads(p, o, plan, c, need, kept);
 }
 

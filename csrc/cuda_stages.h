@@ -11,9 +11,9 @@
 
 namespace fused_ce {
 
-// False where FUSED_CE_DISABLE_KERNELS is set (read once).
 // The kernels' name of an input dtype (fused_ce/kernels/spec.py, DTYPES), nullptr for another.
 const char* cuda_kernel_dtype(at::ScalarType t);
+// True where FUSED_CE_DISABLE_KERNELS is set (read once).
 bool cuda_kernels_disabled();
 // Whether every stage has an embedded cubin for this device and input dtype (and the kernels are not disabled).
 bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype);

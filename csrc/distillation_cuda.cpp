@@ -14,6 +14,7 @@
 #include "cuda_driver.h"
 #include "cuda_stages.h"
 #include "distillation_call.h"
+#include "format.h"
 #include "strategies.h"
 #include "vocab_parallel.h"
 
@@ -39,7 +40,7 @@ void sweep(Stage stage, const Distillation& d, const Block& b) {
   const bool aligned = aligned16(b.zs) && (!b.zt.defined() || aligned16(b.zt)) && d.V % 16 == 0;
   const KernelVariant* v = aligned ? find_variant("distill_rows", dtype, "aligned", arch) : nullptr;
   if (v == nullptr) v = find_variant("distill_rows", dtype, "general", arch);
-  TORCH_CHECK(v != nullptr, kCaller, ": no distill_rows kernel for sm_", arch);
+  TORCH_CHECK(v != nullptr, kCaller, ": no distill_rows kernel for sm_", num(arch));
   const at::Tensor& zt = b.zt.defined() ? b.zt : b.zs;  // (not read without the teacher's head)
   KernelArgs args;
   args.ptr("zs_ptr", b.zs)

@@ -636,7 +636,7 @@ def plan(
         differentiable = torch.is_grad_enabled() and (
             input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        # (float16 on the CPU recomputes its gradients in the backward: csrc/ops.cpp, gradients_in_forward)
+        # (float16 on the CPU recomputes its gradients in the backward: csrc/autograd.cpp, gradients_in_forward)
         in_forward = keywords.get("reduction", "mean") != "none" and not (
             input.dtype == torch.float16 and input.device.type == "cpu"
         )
