@@ -451,6 +451,8 @@ def test_training_example_runs(tmp_path):
         str(tmp_path),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # (the source tree's fused_ce, as this process imports it, however the package was installed)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, os.path.join(root, "examples", "train_causal_lm.py"), *args],
         capture_output=True,

@@ -836,7 +836,9 @@ def _install_trainer_hook():
         loss = {"label_smoothing": smoother.epsilon}
         if lm._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
             loss["shift_labels"] = inputs["labels"]  # (the smoother shifts causal LMs' labels only)
-        if not self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+        if "num_items_in_batch" not in inspect.signature(type(smoother).__call__).parameters:
+            loss["num_items_in_batch"] = None  # (4.x's smoother: the mean over the micro-batch's counted tokens)
+        elif not self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             loss["num_items_in_batch"] = num_items_in_batch  # (the smoother divides by it either way)
         setattr(lm, _TRAINER_LOSS, loss)
         self.label_smoother = None  # (the model's loss, from the labels it now keeps, is the smoother's)
