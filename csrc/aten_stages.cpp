@@ -155,29 +155,4 @@ std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, cons
   return {s, finish_grad(std::move(z), p, c, 0, p.V, dcap)};
 }
 
-RowStats combine_row_stat_splits(const at::Tensor& partial, const at::Tensor& argmax_partial, const at::Tensor& target,
-                                 const StatsRequest& request) {
-  const at::Tensor m = partial[0];
-  const at::Tensor m_max = std::get<0>(m.max(0));
-  const at::Tensor scale = (m - m_max).exp();  // [splits, N]: each split's sums to the row max
-  const at::Tensor sum = (partial[1] * scale).sum(0);
-  const at::Tensor log_sum = sum.log();
-  // a row holding +inf: the lse +inf (as logsumexp), the loss NaN (as torch's log_softmax) through log_sum
-  const at::Tensor holds_inf = m_max == INFINITY;
-  RowStats s;
-  s.lse = (m_max + log_sum).masked_fill_(holds_inf, INFINITY);
-  s.log_sum = log_sum.masked_fill(holds_inf, NAN);
-  s.target_gap = at::where(target.ge(0), m_max - partial[2].sum(0), at::zeros({}, m_max.options()));
-  if (request.weighted_sums) s.weighted_z_sum = partial[3].sum(0);
-  if (request.entropy) {  // log S - T / S, each split's T moved to the row max: e^(m - M) * (t + (m - M) * s)
-    const at::Tensor shift = (m - m_max).nan_to_num_(0.0, 0.0, 0.0);
-    s.entropy = log_sum - (scale * (partial[4] + shift * partial[1])).sum(0) / sum;
-  }
-  if (request.argmax) {  // the first split holding the row max (splits are in column order)
-    const at::Tensor first = m.eq(m_max).to(at::kInt).argmax(0, /*keepdim=*/true);
-    s.argmax = argmax_partial.gather(0, first).squeeze(0);
-  }
-  return s;
-}
-
 }  // namespace fused_ce

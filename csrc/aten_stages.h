@@ -20,11 +20,4 @@ at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t 
 std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
                                                           const StatsRequest& request);
 
-// The row stats from the partials of vocabulary splits ([5, splits, N] float32: each split's max, sum of exp(z -
-// max), target logit, class-weighted logit sum and sum of exp(z - max) (z - max); argmax_partial [splits, N]
-// int64 where asked for): the row_stats kernel's splits combined (cuda_row_stats, and kernels/jit.py through
-// the op _combine_row_stat_splits). target [N]: -1 at ignored rows.
-RowStats combine_row_stat_splits(const at::Tensor& partial, const at::Tensor& argmax_partial, const at::Tensor& target,
-                                 const StatsRequest& request);
-
 }  // namespace fused_ce

@@ -7,6 +7,7 @@
 #include "cuda_stages.h"
 #include "executors.h"
 #include "format.h"
+#include "plan.h"
 
 namespace fused_ce {
 

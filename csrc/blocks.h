@@ -7,7 +7,7 @@
 #include <array>
 
 #include "options.h"
-#include "plan.h"
+#include "plan_types.h"
 #include "problem.h"
 
 namespace fused_ce {

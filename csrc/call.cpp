@@ -84,24 +84,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const Problem& p, const R
 
 }  // namespace
 
-Call::Call(const LossInputs& in, LossOptions options, Pass pass, const Targets& targets, int64_t kept, bool every_row)
-    : o(std::move(options)),
-      p(make_problem(in.input, in.linear_weight, in.target, in.linear_bias, in.weight, o)),
+Call::Call(const LossInputs& in, LossOptions loss_options, Pass pass, const Targets& targets, int64_t kept,
+           bool every_row)
+    : options(std::move(loss_options)),
+      problem(make_problem(in.input, in.linear_weight, in.target, in.linear_bias, in.weight, options)),
       target_shape_(in.target.sizes().vec()),
       input_shape_(in.input.sizes().vec()),
       input_dtype_(in.input.scalar_type()),
       weight_dtype_(in.linear_weight.scalar_type()) {
   const bool kept_pass = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
-  const CountedRows prepared = prepare_targets(p, o, targets.check, targets.unit, /*order_under_capture=*/kept_pass,
-                                               returns_scaled_float16_weight_grad(p, o, pass));
+  const CountedRows prepared =
+      prepare_targets(problem, options, targets.check, targets.unit, /*order_under_capture=*/kept_pass,
+                      returns_scaled_float16_weight_grad(problem, options, pass));
   if (kept_pass) {
-    rows = kept_rows(p, prepared);
-    run = kept_run(p, prepared, rows);
-    plan = make_plan(run, o, pass, -1, kept);
+    rows = kept_rows(problem, prepared);
+    run = kept_run(problem, prepared, rows);
+    plan = make_plan(run, options, pass, -1, kept);
   } else {
     rows = prepared;
-    plan = make_plan(p, o, pass, every_row ? -1 : rows.counted);
-    run = plan.counted_rows_only ? p.select_rows(rows.counted_index()) : p;
+    plan = make_plan(problem, options, pass, every_row ? -1 : rows.counted);
+    run = plan.counted_rows_only ? problem.select_rows(rows.counted_index()) : problem;
   }
 }
 
@@ -111,36 +113,37 @@ GradCoefficients Call::of_run(const GradCoefficients& c) const {
 
 std::optional<at::Tensor> Call::of_run(const std::optional<at::Tensor>& t) const {
   if (!t || !t->defined()) return std::nullopt;
-  const at::Tensor flat = t->reshape({p.N});
+  const at::Tensor flat = t->reshape({problem.N});
   return run.row_index.defined() ? flat.index_select(0, rows.counted_index()) : flat;
 }
 
 at::Tensor Call::loss(const RowStats& run_stats) const {
-  return flag_bad_targets(p, shaped_loss(run, o, plan, run_stats, rows, p.N, target_shape_));
+  return flag_bad_targets(problem, shaped_loss(run, options, plan, run_stats, rows, problem.N, target_shape_));
 }
 
 at::Tensor Call::flagged(const at::Tensor& loss) const {
-  return flag_bad_targets(p, loss);
+  return flag_bad_targets(problem, loss);
 }
 
 at::Tensor Call::per_target(const at::Tensor& run_rows) const {
   std::vector<int64_t> shape{run_rows.size(0)};
   shape.insert(shape.end(), target_shape_.begin(), target_shape_.end());
   if (!plan.counted_rows_only) return run_rows.reshape(shape);
-  at::Tensor all = at::zeros({run_rows.size(0), p.N}, run_rows.options());
+  at::Tensor all = at::zeros({run_rows.size(0), problem.N}, run_rows.options());
   return all.index_copy_(1, rows.counted_index(), run_rows).reshape(shape);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::outputs(const RowStats& run_stats) const {
-  return fused_ce::outputs(p, plan.counted_rows_only ? every_row(p, o, rows, run_stats) : run_stats, target_shape_);
+  return fused_ce::outputs(problem, plan.counted_rows_only ? every_row(problem, options, rows, run_stats) : run_stats,
+                           target_shape_);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::grads(const Grads& g, bool keep_dtypes) const {
   const auto to = [&](const at::Tensor& t, at::ScalarType dtype) { return keep_dtypes ? t : t.to(dtype); };
-  const auto none = [&] { return at::empty({0}, p.x.options()); };
+  const auto none = [&] { return at::empty({0}, problem.x.options()); };
   return {g.input.defined() ? to(g.input, input_dtype_).reshape(input_shape_) : none(),
           g.weight.defined() ? to(g.weight, weight_dtype_) : none(),
-          g.bias.defined() ? to(g.bias, p.bias.scalar_type()) : none()};
+          g.bias.defined() ? to(g.bias, problem.bias.scalar_type()) : none()};
 }
 
 }  // namespace fused_ce

@@ -37,16 +37,16 @@ class Call {
   // The pipeline up to the plan. The kept-logits passes run the kept rows' order (CountedRows::order) and plan for
   // `kept` rows of kept logits (the forward's capacity, the backward's kept tensor); every_row (the backward
   // with a gradient on every row's lse) plans for all rows.
-  Call(const LossInputs& in, LossOptions options, Pass pass, const Targets& targets, int64_t kept = -1,
+  Call(const LossInputs& in, LossOptions loss_options, Pass pass, const Targets& targets, int64_t kept = -1,
        bool every_row = false);
 
-  const LossOptions o;
-  Problem p;         // every row
+  const LossOptions options;
+  Problem problem;   // every row
   CountedRows rows;  // which rows count, in the executors' order (the kept order for the kept passes)
   Plan plan;
   Problem run;  // the rows the executors take: the counted ones where the plan says so (or the kept order)
 
-  Problem shard() const { return vocab_shard(run, o); }
+  Problem shard() const { return vocab_shard(run, options); }
   // c of the run's rows (the counted ones where they are selected)
   GradCoefficients of_run(const GradCoefficients& c) const;
   // A per-token tensor shaped like the target, as [run.N] rows

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "aten_stages.h"
 #include "cuda_driver.h"
 #include "format.h"
 

@@ -11,7 +11,7 @@
 
 #include "blocks.h"
 #include "options.h"
-#include "plan.h"
+#include "plan_types.h"
 #include "problem.h"
 
 namespace fused_ce {

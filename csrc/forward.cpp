@@ -5,6 +5,7 @@
 #include "cuda_stages.h"
 #include "executors.h"
 #include "loss_terms.h"
+#include "plan.h"
 
 namespace fused_ce {
 

@@ -7,6 +7,7 @@
 #include "cuda_stages.h"
 #include "executors.h"
 #include "loss_terms.h"
+#include "plan.h"
 #include "vocab_parallel.h"
 
 namespace fused_ce {

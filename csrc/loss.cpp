@@ -38,8 +38,8 @@ GradMask without_weight_grad(GradMask need, bool slices) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(const LossInputs& in, LossOptions o) {
   const Call call(in, std::move(o), Pass::Forward, {});
   const Problem shard = call.shard();
-  const RowStats s = forward_stats(shard, call.o, call.plan);
-  if (call.o.vocab_parallel()) combine_vocab_shards(shard, s, call.o);
+  const RowStats s = forward_stats(shard, call.options, call.plan);
+  if (call.options.vocab_parallel()) combine_vocab_shards(shard, s, call.options);
   const auto [lse, entropy, argmax] = call.outputs(s);
   return {call.loss(s), lse, entropy, argmax};
 }
@@ -67,14 +67,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   const Call call({input, linear_weight, target, linear_bias, weight},
                   LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::Backward, {/*check=*/false}, -1,
                   /*every_row=*/lse_grad);
-  GradCoefficients c =
-      grad_coefficients(call.p, call.o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
-  c.lse = lse.reshape({call.p.N}).to(loss_dtype(call.p)).contiguous();
+  GradCoefficients c = grad_coefficients(call.problem, call.options, grad_loss, grad_lse, grad_entropy,
+                                         entropy ? *entropy : at::Tensor());
+  c.lse = lse.reshape({call.problem.N}).to(loss_dtype(call.problem)).contiguous();
   const Problem shard = call.shard();
   const GradCoefficients run = call.of_run(c);
   const bool slices = output_mask[1] && call.plan.weight_grad_slice_classes > 0;
-  Grads g = recomputed_grads(shard, call.o, call.plan, run, without_weight_grad(output_mask, slices));
-  if (slices) g.weight = weight_grad_by_slices(shard, call.o, call.plan, run);
+  Grads g = recomputed_grads(shard, call.options, call.plan, run, without_weight_grad(output_mask, slices));
+  if (slices) g.weight = weight_grad_by_slices(shard, call.options, call.plan, run);
   return call.grads(g);
 }
 
@@ -97,21 +97,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   at::Tensor logits;
   RowStats s;
   if (kept_n == call.run.N) {
-    logits = at::empty({capacity, shard.V}, call.p.x.options());
-    s = forward_stats(shard, call.o, call.plan, logits);
+    logits = at::empty({capacity, shard.V}, call.problem.x.options());
+    s = forward_stats(shard, call.options, call.plan, logits);
   } else {
     // the other rows first, in blocks of their own workspace, freed before the kept logits take its place
     const Problem rest = shard.row_range(kept_n, call.run.N);
-    const RowStats rest_stats = forward_stats(rest, call.o, make_plan(rest, call.o, Pass::Forward));
-    logits = at::empty({capacity, shard.V}, call.p.x.options());
+    const RowStats rest_stats = forward_stats(rest, call.options, make_plan(rest, call.options, Pass::Forward));
+    logits = at::empty({capacity, shard.V}, call.problem.x.options());
     const Problem kept_part = shard.row_range(0, kept_n);
-    const RowStats kept_stats =
-        forward_stats(kept_part, call.o, make_plan(kept_part, call.o, Pass::ForwardKeepingLogits, -1, kept_n), logits);
-    s = RowStats::allocate(shard, {call.o.smoothing(), call.o.return_entropy, call.o.return_argmax});
+    const RowStats kept_stats = forward_stats(
+        kept_part, call.options, make_plan(kept_part, call.options, Pass::ForwardKeepingLogits, -1, kept_n), logits);
+    s = RowStats::allocate(shard, {call.options.smoothing(), call.options.return_entropy, call.options.return_argmax});
     s.rows(0, kept_n).copy_(kept_stats);
     s.rows(kept_n, call.run.N).copy_(rest_stats);
   }
-  if (call.o.vocab_parallel()) combine_vocab_shards(shard, s, call.o);
+  if (call.options.vocab_parallel()) combine_vocab_shards(shard, s, call.options);
   const auto [lse, entropy, argmax] = call.outputs(s);
   return {call.loss(s), lse, entropy, argmax, logits};
 }
@@ -126,19 +126,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
   const Call call({input, linear_weight, target, linear_bias, weight},
                   LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::BackwardFromLogits,
                   {/*check=*/false}, logits.size(0));
-  if (grad_lse && grad_lse->defined() && !(call.rows.known() && call.rows.counted == call.p.N)) {
+  if (grad_lse && grad_lse->defined() && !(call.rows.known() && call.rows.counted == call.problem.N)) {
     // the lse of ignored rows has a gradient, and their logits may not have been kept: computed again
     return linear_cross_entropy_backward(grad_loss, grad_lse, grad_entropy, input, linear_weight, target, linear_bias,
                                          weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
   }
-  GradCoefficients c =
-      grad_coefficients(call.p, call.o, grad_loss, grad_lse, grad_entropy, entropy ? *entropy : at::Tensor());
-  c.lse = lse.reshape({call.p.N}).to(loss_dtype(call.p)).contiguous();
+  GradCoefficients c = grad_coefficients(call.problem, call.options, grad_loss, grad_lse, grad_entropy,
+                                         entropy ? *entropy : at::Tensor());
+  c.lse = lse.reshape({call.problem.N}).to(loss_dtype(call.problem)).contiguous();
   const Problem shard = call.shard();
   const GradCoefficients run = call.of_run(c);
   const bool slices = output_mask[1] && call.plan.weight_grad_slice_classes > 0;
-  Grads g = grads_from_kept_logits(shard, call.o, call.plan, run, without_weight_grad(output_mask, slices), logits);
-  if (slices) g.weight = weight_grad_by_slices(shard, call.o, call.plan, run);
+  Grads g =
+      grads_from_kept_logits(shard, call.options, call.plan, run, without_weight_grad(output_mask, slices), logits);
+  if (slices) g.weight = weight_grad_by_slices(shard, call.options, call.plan, run);
   return call.grads(g);
 }
 
@@ -156,11 +157,11 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
   source.fixed = call.of_run(unit);
   const Problem shard = call.shard();
   const bool slices = output_mask[1] && call.plan.weight_grad_slice_classes > 0;
-  auto [s, g] = forward_with_grad(shard, call.o, call.plan, source, without_weight_grad(output_mask, slices));
+  auto [s, g] = forward_with_grad(shard, call.options, call.plan, source, without_weight_grad(output_mask, slices));
   if (slices) {  // dW from the vocabulary slices, at the forward's lse
     GradCoefficients c = source.fixed;
     c.lse = s.lse;
-    g.weight = weight_grad_by_slices(shard, call.o, call.plan, c);
+    g.weight = weight_grad_by_slices(shard, call.options, call.plan, c);
   }
   // float16's dX and db come back in float32, dW in float16 times a power of two (loss.h): at unit scale, before
   // the upstream gradient, float16 would lose them to underflow.
@@ -217,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
   source.from_stats = [&policy](int64_t begin, int64_t end, const RowStats& s) {
     return policy.coefficients(begin, end, s);
   };
-  const auto [s, g] = forward_with_grad(call.shard(), call.o, call.plan, source, output_mask);
+  const auto [s, g] = forward_with_grad(call.shard(), call.options, call.plan, source, output_mask);
   const auto [gx, gw, gb] = call.grads(g, input.scalar_type() == at::kHalf);
   const at::Tensor stats = policy.stats();
   return {call.flagged(policy.loss()), stats.numel() > 0 ? call.per_target(stats) : stats, gx, gw, gb};
@@ -230,16 +231,15 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const Pass pass = parse_pass(args[3].toStringView());
   const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
   const LossOptions o = LossOptions::from_ivalues(args.slice(6));
-  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, o);
+  // (the kept passes: the rows the forward's kept tensor would have; none kept: Backward's kept tensor has no
+  // rows, the forward plans every row)
   const bool kept_pass = pass == Pass::BackwardFromLogits || pass == Pass::ForwardKeepingLogits;
-  const CountedRows rows = prepare_targets(p, o, /*check=*/false, nullptr, /*order_under_capture=*/false,
-                                           returns_scaled_float16_weight_grad(p, o, pass));
-  // (the kept passes: the rows the forward's kept tensor would have)
   const std::optional<c10::SymInt> kept_rows =
       kept_pass ? kept_logit_rows(input, linear_weight, target, o) : std::nullopt;
-  // (none kept: Backward's kept tensor has no rows, the forward plans every row)
   const int64_t kept = kept_rows ? kept_rows->guard_int(__FILE__, __LINE__) : pass == Pass::BackwardFromLogits ? 0 : -1;
-  const Plan plan = make_plan(p, o, pass, rows.counted, kept);
+  // the op's own pipeline up to its plan (the targets unchecked: a plan of expanded tensors reads none)
+  const Call call({input, linear_weight, target, linear_bias, weight}, o, pass, {/*check=*/false}, kept);
+  const Plan& plan = call.plan;
   torch::jit::drop(*stack, n);
   for (auto& [name, value] : plan_fields(plan)) stack->push_back(std::move(value));
 }

@@ -8,7 +8,7 @@
 #include <optional>
 
 #include "options.h"
-#include "plan.h"
+#include "plan_types.h"
 #include "problem.h"
 
 namespace fused_ce {

@@ -98,7 +98,7 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
   return at::Tensor();
 }
 
-// fused_ce::_combine_row_stat_splits: combine_row_stat_splits (aten_stages.h) for kernels/jit.py, which launches
+// fused_ce::_combine_row_stat_splits: combine_row_stat_splits (problem.h) for kernels/jit.py, which launches
 // the row_stats kernel itself: one source for the combination. Undefined stats come back empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> combine_row_stat_splits_op(
     const at::Tensor& partial, const std::optional<at::Tensor>& argmax_partial, const at::Tensor& target,

@@ -131,10 +131,6 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
   return with_keeps(kept_pass || counted_rows_pay(selected, all, p) ? selected : all);
 }
 
-bool returns_scaled_float16_weight_grad(const Problem& p, const LossOptions& o, Pass pass) {
-  return pass == Pass::ForwardWithGrad && p.x.scalar_type() == at::kHalf && !o.policy_loss;
-}
-
 std::vector<int64_t> kept_logit_rows_constants() {
   return {kDefaultCudaWorkspace, kMinKeptRows, kPartialBytesPer1024Columns};
 }

@@ -83,6 +83,13 @@ struct RowStats {
   static RowStats allocate(const Problem& p, const StatsRequest& request);
 };
 
+// The row stats from the partials of vocabulary splits ([5, splits, N] float32: each split's max, sum of exp(z -
+// max), target logit, class-weighted logit sum and sum of exp(z - max) (z - max); argmax_partial [splits, N]
+// int64 where asked for): the row_stats kernel's splits combined (cuda_row_stats, and kernels/jit.py through
+// the op _combine_row_stat_splits). target [N]: -1 at ignored rows.
+RowStats combine_row_stat_splits(const at::Tensor& partial, const at::Tensor& argmax_partial, const at::Tensor& target,
+                                 const StatsRequest& request);
+
 // Per-row coefficients of the logit gradient:
 //   g = logit_scale * softcap'(z) * (p * (alpha + alpha_lse * lse + alpha_z * log p) - beta * onehot(target)
 //                                    - gamma * class_weight)

@@ -1,12 +1,12 @@
 // What plan.cpp and strategies.cpp share: the budgets and constants of the plan, the architecture's
-// constants, and the strategies of each pass (plan.h says what a plan is).
+// constants, and the strategies of each pass (plan_types.h says what a plan is).
 #pragma once
 
 #include <cstdint>
 
 #include "kernel_table.h"
 #include "options.h"
-#include "plan.h"
+#include "plan_types.h"
 #include "problem.h"
 
 namespace fused_ce {

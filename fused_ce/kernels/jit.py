@@ -109,7 +109,7 @@ def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, so
                 has_entropy=int(entropy), has_argmax=int(argmax),
                 **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     _launch(_row_stats, (triton.cdiv(N, cfg.block_n) * splits,), args, **_dot_tile_meta(cfg, x))
-    # the splits combined by the library's own combination (csrc/aten_stages.cpp, combine_row_stat_splits)
+    # the splits combined by the library's own combination (csrc/problem.cpp, combine_row_stat_splits)
     lse, _, _, wz, ent, am = torch.ops.fused_ce._combine_row_stat_splits(
         partial, arg, target, smoothing, entropy, argmax)
     stats = (lse, partial[2].sum(0), wz if smoothing else None)
