@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -178,6 +179,23 @@ int device_arch(int device_index) {
 
 int device_sm_count(int device_index) {
   return attribute(device_index, kAttrMultiprocessorCount);
+}
+
+bool cuda_kernels_disabled() {
+  static const bool disabled = [] {
+    const char* value = std::getenv("FUSED_CE_DISABLE_KERNELS");
+    return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
+  }();
+  return disabled;
+}
+
+const char* cuda_kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kFloat: return "fp32";
+    default: return nullptr;
+  }
 }
 
 const KernelVariant* find_variant(const char* kernel, const char* dtype, const char* layout, int arch) {

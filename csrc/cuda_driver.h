@@ -49,6 +49,10 @@ class KernelArgs {
 int device_arch(int device_index);
 int device_sm_count(int device_index);
 
+// True where FUSED_CE_DISABLE_KERNELS is set (read once).
+bool cuda_kernels_disabled();
+// The kernels' name of an input dtype (fused_ce/kernels/spec.py, DTYPES), nullptr for another.
+const char* cuda_kernel_dtype(at::ScalarType t);
 // The best embedded variant for a device of arch `arch`: the exact arch, else
 // (below sm_90, whose cubins are arch-specific) the newest same-major one not
 // newer than the device. nullptr when none fits.

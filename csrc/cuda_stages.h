@@ -11,18 +11,6 @@
 
 namespace fused_ce {
 
-// The kernels' name of an input dtype (fused_ce/kernels/spec.py, DTYPES), nullptr for another.
-const char* cuda_kernel_dtype(at::ScalarType t);
-// True where FUSED_CE_DISABLE_KERNELS is set (read once).
-bool cuda_kernels_disabled();
-// Whether every stage has an embedded cubin for this device and input dtype (and the kernels are not disabled).
-bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype);
-// The same for p's device and dtype.
-bool cuda_kernels_available(const Problem& p);
-// Whether the per-row bookkeeping runs in kernels (Plan::rows_on_device), known before the targets are
-// prepared: p is on a device with a cubin for every stage (else a warning, once, where it would have been).
-bool uses_row_kernels(const Problem& p);
-
 // Prologue (prepare_rows.py): from the raw int64 class indices `target` ([N],
 // contiguous), sets p.target (ignored rows -1), p.target_weight and p.totals,
 // with `unit` the gradient coefficients of a scalar loss (mean or sum) for an

@@ -13,6 +13,7 @@
 #include "blocks.h"
 #include "cuda_driver.h"
 #include "cuda_stages.h"
+#include "device.h"
 #include "distillation_call.h"
 #include "format.h"
 #include "strategies.h"

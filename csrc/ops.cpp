@@ -13,6 +13,7 @@
 #include "aten_stages.h"
 #include "autograd.h"
 #include "cuda_stages.h"
+#include "device.h"
 #include "distillation.h"
 #include "format.h"
 #include "kernel_table.h"
@@ -109,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {s.lse, s.target_gap, s.log_sum, or_empty(s.weighted_z_sum), or_empty(s.entropy), or_empty(s.argmax)};
 }
 
-// fused_ce::_cuda_kernels_embedded: cuda_kernels_embedded (cuda_stages.h) for the fake kernel of
+// fused_ce::_cuda_kernels_embedded: cuda_kernels_embedded (device.h) for the fake kernel of
 // _linear_cross_entropy_keeping_logits, whose kept rows (none without the kernels) it sizes; a device without an
 // index is the current one's.
 bool cuda_kernels_embedded_op(at::Device device, at::ScalarType dtype) {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "cuda_driver.h"
-#include "cuda_stages.h"
+#include "device.h"
 #include "format.h"
 #include "kernel_table.h"
 #include "strategies.h"

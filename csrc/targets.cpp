@@ -11,6 +11,7 @@
 
 #include "cuda_driver.h"
 #include "cuda_stages.h"
+#include "device.h"
 #include "format.h"
 #include "loss_terms.h"
 
