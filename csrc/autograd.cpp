@@ -91,12 +91,7 @@ struct CrossEntropyOp : torch::CustomClassHolder {
 
   std::string caller() const { return o.caller; }
 
-  // Not float16's on the CPU: at unit scale they are float32 (loss.h), twice the gradients float16 holds, held
-  // until the backward, which rounds them beside that: the backward recomputes them at the upstream gradient's
-  // scale instead, in float16.
-  bool gradients_in_forward(const at::Tensor& input) const {
-    return o.scalar() && !(input.scalar_type() == at::kHalf && input.device().is_cpu());
-  }
+  bool gradients_in_forward(const at::Tensor& input) const { return fused_ce::gradients_in_forward(o, input); }
 
   variable_list with_grad(const Linear& l, const Mask& mask, variable_list* grads) const {
     static auto op =

@@ -224,13 +224,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
   return {call.flagged(policy.loss()), stats.numel() > 0 ? call.per_target(stats) : stats, gx, gw, gb};
 }
 
+bool gradients_in_forward(const LossOptions& o, const at::Tensor& input) {
+  return o.scalar() && !(input.scalar_type() == at::kHalf && input.device().is_cpu());
+}
+
 void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
   const auto args = torch::jit::last(*stack, n);
   const at::Tensor input = args[0].toTensor(), linear_weight = args[1].toTensor(), target = args[2].toTensor();
-  const Pass pass = parse_pass(args[3].toStringView());
   const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
   const LossOptions o = LossOptions::from_ivalues(args.slice(6));
+  // "first": the pass a call with these arguments runs first, chosen as the ops choose it (the autograd formula's
+  // gradients_in_forward, then whether the per-token loss keeps its logits: kept_logit_rows)
+  const bool differentiable =
+      at::GradMode::is_enabled() && (input.requires_grad() || linear_weight.requires_grad() ||
+                                     (linear_bias && linear_bias->defined() && linear_bias->requires_grad()));
+  const Pass pass = args[3].toStringView() != "first"                  ? parse_pass(args[3].toStringView())
+                    : !differentiable                                  ? Pass::Forward
+                    : gradients_in_forward(o, input)                   ? Pass::ForwardWithGrad
+                    : kept_logit_rows(input, linear_weight, target, o) ? Pass::ForwardKeepingLogits
+                                                                       : Pass::Forward;
   // (the kept passes: the rows the forward's kept tensor would have; none kept: Backward's kept tensor has no
   // rows, the forward plans every row)
   const bool kept_pass = pass == Pass::BackwardFromLogits || pass == Pass::ForwardKeepingLogits;

@@ -36,6 +36,13 @@ std::tuple<at::Tensor, at::Tensor> public_loss(const at::Tensor& input, const at
   return {loss, lse};
 }
 
+// Whether a differentiated call of _linear_cross_entropy forms its gradients in its forward
+// (linear_cross_entropy_with_grad, the autograd formula's choice): a scalar loss, but not float16's on the CPU (at
+// unit scale its gradients are float32, twice what float16 holds, held until the backward: it recomputes them at
+// the upstream gradient's scale instead, in float16). The other differentiated calls run
+// _linear_cross_entropy_keeping_logits.
+bool gradients_in_forward(const LossOptions& o, const at::Tensor& input);
+
 // fused_ce::linear_cross_entropy_backward: (grad_input, grad_linear_weight,
 // grad_linear_bias) for upstream gradients of the loss, the lse and the entropy,
 // recomputing the logits; empty tensors where output_mask is false.

@@ -632,23 +632,10 @@ def plan(
         keywords.pop("process_group", None),
         keywords.pop("vocab_start", None),
     )
-    if pass_ is None:
-        differentiable = torch.is_grad_enabled() and (
-            input.requires_grad or linear_weight.requires_grad or (bias is not None and bias.requires_grad)
-        )
-        # (float16 on the CPU recomputes its gradients in the backward: csrc/autograd.cpp, gradients_in_forward)
-        in_forward = keywords.get("reduction", "mean") != "none" and not (
-            input.dtype == torch.float16 and input.device.type == "cpu"
-        )
-        pass_ = "forward_with_grad" if differentiable and in_forward else "forward"
-    else:
-        differentiable = False
     options = _option_arguments(
         "_linear_cross_entropy", "linear_cross_entropy", **keywords, lse_of_ignored_rows=return_lse, shard=shard
     )
-    fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, bias, weight, **options)
-    if differentiable and pass_ == "forward" and fields[Plan._fields.index("keeps_logits")]:
-        pass_ = "forward_keeping_logits"
-        fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_, bias, weight, **options)
+    # (None: "first", the pass the op picks, chosen in C++ as the op and its autograd formula choose it)
+    fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_ or "first", bias, weight, **options)
     values = [(_DTYPES.get(v) if name.endswith("dtype") else v) for name, v in zip(Plan._fields, fields, strict=True)]
     return Plan(*values)
