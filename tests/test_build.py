@@ -95,3 +95,23 @@ def test_import_names_both_torch_versions_on_mismatch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "9.9.9" in out.stderr and torch.__version__.split("+")[0] in out.stderr
+
+
+def test_cpp_launch_arguments_are_the_specs():
+    # The C++ launchers (KernelArgs: .ptr/.i64/.i32/.f32 by name) and the kernels' SPECs name one list of launch
+    # parameters: a parameter renamed or retyped on one side only fails here, on the CPU, and not first at a launch
+    # (cuda_driver.cpp checks each launch against the embedded table).
+    import re
+    from pathlib import Path
+
+    kinds = {"ptr": "pointer", "i64": "i64", "i32": "i32", "f32": "fp32"}
+    used = {}
+    for source in sorted((Path(__file__).parent.parent / "csrc").glob("*.cpp")):
+        for kind, name in re.findall(r'\.(ptr|i64|i32|f32)\("(\w+)"', source.read_text()):
+            used.setdefault(name, set()).add(kinds[kind])
+    declared = {}
+    for kernel in configs.KERNELS:
+        for name, type_ in kernel_module(kernel).SPEC.params:
+            declared.setdefault(name, set()).add("pointer" if type_.startswith("*") else type_)
+    assert set(used) == set(declared), (sorted(set(used) - set(declared)), sorted(set(declared) - set(used)))
+    assert used == declared, {name: (used[name], declared[name]) for name in used if used[name] != declared[name]}
