@@ -39,7 +39,7 @@ import torch.nn as nn
 from bench import available_methods
 
 import fused_ce
-from common import cuda_time_ms, environment, make_inputs, workspace_gib
+from common import cuda_time_ms, environment, grouped_bars, make_inputs, workspace_gib
 
 SPARSE_BELOW = 2.0**-12  # bf16's resolution at 1: gradient entries below it vanish beside the target's
 
@@ -239,20 +239,16 @@ def plot(results, path):
         print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return
     methods = sorted({r["method"] for r in results})
-    settings = [(i, ig) for i in ("trained", "random") for ig in (0.0, 0.1)]
+    ms = {(r["method"], r["inputs"], r["ignored"]): r["ms"] for r in results}
+    series = {
+        f"{inputs}, {ignored:.0%} ignored": [ms.get((m, inputs, ignored), 0) for m in methods]
+        for inputs in ("trained", "random")
+        for ignored in (0.0, 0.1)
+    }
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(settings)
-    for k, (inputs, ignored) in enumerate(settings):
-        values = [
-            next((r["ms"] for r in results if (r["method"], r["inputs"], r["ignored"]) == (m, inputs, ignored)), 0)
-            for m in methods
-        ]
-        ax.bar([j + (k - (len(settings) - 1) / 2) * width for j in range(len(methods))], values, width,
-               label=f"{inputs}, {ignored:.0%} ignored")  # fmt: skip
-    ax.set_xticks(range(len(methods)), methods, fontsize=8)
+    grouped_bars(ax, methods, series, fontsize=8)
     ax.set_ylabel("forward + backward, ms")
     ax.set_title("trained-model head inputs against random ones")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
