@@ -133,7 +133,7 @@ at::Tensor weight_grad_by_slices(const Problem& p, const LossOptions& o, const P
       std::max(plan.budget_bytes - classes * p.D * int64_t{sizeof(float)}, plan.budget_bytes / 2);
   for (int64_t v0 = 0; v0 < p.V; v0 += classes) {
     const Problem slice = p.cols(v0, std::min(p.V, v0 + classes));
-    Plan slice_plan = make_plan(slice, slice_options, Pass::Backward);
+    Plan slice_plan = make_plan(slice, slice_options, plan.device, Pass::Backward);
     slice_plan.weight_grad_slice_classes = 0;
     slice_plan.grad_weight_dtype = at::kFloat;
     at::Tensor sum = recomputed_grads(slice, slice_options, slice_plan, blocks, {false, true, false}).weight;

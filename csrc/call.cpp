@@ -24,7 +24,8 @@ at::Tensor expand_rows(const at::Tensor& values, const at::Tensor& index, int64_
 
 // The row stats of every row of p from the counted rows' (`counted`): the ignored rows' lse, where asked for
 // (lse_of_ignored_rows), from a forward pass over them; their other stats 0 (the argmax -1: outputs()).
-RowStats every_row(const Problem& p, const LossOptions& o, const CountedRows& rows, const RowStats& counted) {
+RowStats every_row(const Problem& p, const LossOptions& o, const DeviceFacts& device, const CountedRows& rows,
+                   const RowStats& counted) {
   const at::Tensor index = rows.counted_index();
   const auto expand = [&](const at::Tensor& t) { return t.defined() ? expand_rows(t, index, p.N, 0.0) : t; };
   RowStats s{expand(counted.lse),     expand(counted.target_gap),
@@ -33,7 +34,7 @@ RowStats every_row(const Problem& p, const LossOptions& o, const CountedRows& ro
   if (o.lse_of_ignored_rows && rows.counted < p.N) {
     const at::Tensor ignored_index = rows.ignored_index();
     const Problem ignored = p.select_rows(ignored_index);
-    const Plan plan = make_plan(ignored, o, Pass::Forward);
+    const Plan plan = make_plan(ignored, o, device, Pass::Forward);
     const Problem shard = vocab_shard(ignored, o);
     const RowStats part = forward_stats(shard, o, plan);
     if (o.vocab_parallel()) combine_vocab_shards(shard, part, o);
@@ -93,16 +94,17 @@ Call::Call(const LossInputs& in, LossOptions loss_options, Pass pass, const Targ
       input_dtype_(in.input.scalar_type()),
       weight_dtype_(in.linear_weight.scalar_type()) {
   const bool kept_pass = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
+  const DeviceFacts device = device_facts(problem.x);
   const CountedRows prepared =
-      prepare_targets(problem, options, targets.check, targets.unit, /*order_under_capture=*/kept_pass,
+      prepare_targets(problem, options, device, targets.check, targets.unit, /*order_under_capture=*/kept_pass,
                       returns_scaled_float16_weight_grad(problem, options, pass));
   if (kept_pass) {
     rows = kept_rows(problem, prepared);
     run = kept_run(problem, prepared, rows);
-    plan = make_plan(run, options, pass, -1, kept);
+    plan = make_plan(run, options, device, pass, -1, kept);
   } else {
     rows = prepared;
-    plan = make_plan(problem, options, pass, every_row ? -1 : rows.counted);
+    plan = make_plan(problem, options, device, pass, every_row ? -1 : rows.counted);
     run = plan.counted_rows_only ? problem.select_rows(rows.counted_index()) : problem;
   }
 }
@@ -134,7 +136,7 @@ at::Tensor Call::per_target(const at::Tensor& run_rows) const {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::outputs(const RowStats& run_stats) const {
-  return fused_ce::outputs(problem, plan.counted_rows_only ? every_row(problem, options, rows, run_stats) : run_stats,
+  return fused_ce::outputs(problem, plan.counted_rows_only ? every_row(problem, options, plan.device, rows, run_stats) : run_stats,
                            target_shape_);
 }
 

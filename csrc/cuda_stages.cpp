@@ -169,12 +169,6 @@ void check_row_output(const Problem& p, const at::Tensor& t) {
 
 }  // namespace
 
-int64_t cuda_logits_row_bytes(const Problem& p) {
-  const KernelVariant* tiles = select("logit_partials", p, nullptr);
-  const int64_t segments = tiles != nullptr ? cdiv(p.V, tiles->block_v) : 0;
-  return p.V * static_cast<int64_t>(c10::elementSize(p.x.scalar_type())) + 3 * int64_t{sizeof(float)} * segments;
-}
-
 void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out) {
   TORCH_CHECK(p.col_offset == 0, "fused_ce: row stats need whole vocabulary rows");
   const StatsRequest request = out.request();

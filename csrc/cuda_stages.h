@@ -42,8 +42,6 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
 // `p` may be a vocabulary slice (Problem::cols) of the rows (softmax_grad.py).
 void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
                        bool smoothing);
-// Device memory per row of a block of stored logits: the logits and the partials.
-int64_t cuda_logits_row_bytes(const Problem& p);
 
 // grad *= scale ([] float32 on grad's device) in place by the scale kernel (scale.py), which reads scale on the
 // device and returns at once when it is 1; false where it does not apply (no cubin, a non-contiguous grad).

@@ -1,10 +1,11 @@
 #include "device.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_driver.h"
@@ -31,36 +32,59 @@ const std::vector<const char*>& kernels_in_dtype(const char* dtype) {
   return it == table.end() ? none : it->second;
 }
 
-}  // namespace
+const ArchConstants& arch_constants(int arch) {
+  const ArchConstants* fallback = nullptr;
+  for (int i = 0; i < kNumArchConstants; ++i) {
+    if (kArchConstants[i].arch == arch) return kArchConstants[i];
+    if (kArchConstants[i].arch == 0) fallback = &kArchConstants[i];
+  }
+  TORCH_CHECK(fallback != nullptr, "fused_ce: the build embedded no plan constants");
+  return *fallback;
+}
 
-bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype) {
+DeviceFacts read_facts(const at::Device& device, at::ScalarType dtype) {
+  DeviceFacts facts;
+  facts.cuda = device.is_cuda();
+  facts.arch = facts.cuda ? device_arch(device.index()) : 0;
+  facts.constants = arch_constants(facts.arch);
   const char* name = cuda_kernel_dtype(dtype);
-  if (!device.is_cuda() || name == nullptr || cuda_kernels_disabled()) return false;
-  const int arch = device_arch(device.index());
+  if (!facts.cuda || name == nullptr || cuda_kernels_disabled()) return facts;
   // every kernel the build embedded in this dtype for any architecture (configs.KERNELS and their flavors, as
   // the generated kernel table lists them), for this one
+  facts.kernels = find_variant("prepare_rows", "fp32", "general", facts.arch) != nullptr &&
+                  find_variant("assemble_loss", "fp32", "general", facts.arch) != nullptr;
   for (const char* kernel : kernels_in_dtype(name)) {
-    if (find_variant(kernel, name, "general", arch) == nullptr) return false;
+    facts.kernels = facts.kernels && find_variant(kernel, name, "general", facts.arch) != nullptr;
   }
-  return find_variant("prepare_rows", "fp32", "general", arch) != nullptr &&
-         find_variant("assemble_loss", "fp32", "general", arch) != nullptr;
+  if (facts.kernels) facts.partials_block_v = find_variant("logit_partials", name, "general", facts.arch)->block_v;
+  return facts;
 }
 
-bool cuda_kernels_available(const Problem& p) {
-  return cuda_kernels_embedded(p.x.device(), p.x.scalar_type());
+// read_facts once per device and dtype.
+DeviceFacts facts_of(const at::Device& device, at::ScalarType dtype) {
+  static std::mutex mutex;
+  static std::map<std::tuple<at::DeviceType, int, at::ScalarType>, DeviceFacts> known;
+  const auto key = std::make_tuple(device.type(), static_cast<int>(device.index()), dtype);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  return it != known.end() ? it->second : known.emplace(key, read_facts(device, dtype)).first->second;
 }
 
-bool uses_row_kernels(const Problem& p) {
-  if (!p.x.is_cuda() || p.N == 0) return false;
-  if (cuda_kernels_available(p)) return true;
-  const auto dtype = p.x.scalar_type();
-  const bool kernel_dtype = dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
-  if (kernel_dtype && !cuda_kernels_disabled()) {
-    TORCH_WARN_ONCE("fused_ce: this build has no kernel for sm_", num(device_arch(p.x.device().index())),
+}  // namespace
+
+DeviceFacts device_facts(const at::Tensor& x) {
+  const DeviceFacts facts = facts_of(x.device(), x.scalar_type());
+  const bool kernel_dtype = cuda_kernel_dtype(x.scalar_type()) != nullptr;
+  if (facts.cuda && !facts.kernels && kernel_dtype && !cuda_kernels_disabled() && x.numel() > 0) {
+    TORCH_WARN_ONCE("fused_ce: this build has no kernel for sm_", num(facts.arch),
                     "; using the slower chunked ATen path on CUDA. Rebuild with this architecture in "
                     "FUSED_CE_CUDA_ARCHS (see fused_ce.cuda_archs()).");
   }
-  return false;
+  return facts;
+}
+
+bool cuda_kernels_embedded(const at::Device& device, at::ScalarType dtype) {
+  return device.is_cuda() && facts_of(device, dtype).kernels;
 }
 
 }  // namespace fused_ce

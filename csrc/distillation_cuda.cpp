@@ -73,7 +73,7 @@ void sweep(Stage stage, const Distillation& d, const Block& b) {
 
 bool uses_kernels(const Distillation& d) {
   return d.x.is_cuda() && d.acc == at::kFloat && (!d.xt.defined() || d.xt.scalar_type() == d.x.scalar_type()) &&
-         cuda_kernels_embedded(d.x.device(), d.x.scalar_type());
+         device_facts(d.x).kernels;
 }
 
 Rows run_blocks_cuda(const Distillation& d, const std::optional<RowScale>& scale, std::array<bool, 3> mask) {

@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
-  const std::optional<c10::SymInt> kept = kept_logit_rows(input, linear_weight, target, o);
+  const std::optional<c10::SymInt> kept = kept_logit_rows(input, linear_weight, target, o, device_facts(input));
   if (!kept) {  // none kept: the forward alone
     return std::tuple_cat(forward_outputs({input, linear_weight, target, linear_bias, weight}, std::move(o)),
                           std::make_tuple(at::empty({0, linear_weight.size(0)}, input.options())));
@@ -102,11 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   } else {
     // the other rows first, in blocks of their own workspace, freed before the kept logits take its place
     const Problem rest = shard.row_range(kept_n, call.run.N);
-    const RowStats rest_stats = forward_stats(rest, call.options, make_plan(rest, call.options, Pass::Forward));
+    const RowStats rest_stats = forward_stats(rest, call.options, make_plan(rest, call.options, call.plan.device, Pass::Forward));
     logits = at::empty({capacity, shard.V}, call.problem.x.options());
     const Problem kept_part = shard.row_range(0, kept_n);
     const RowStats kept_stats = forward_stats(
-        kept_part, call.options, make_plan(kept_part, call.options, Pass::ForwardKeepingLogits, -1, kept_n), logits);
+        kept_part, call.options, make_plan(kept_part, call.options, call.plan.device, Pass::ForwardKeepingLogits, -1, kept_n),
+        logits);
     s = RowStats::allocate(shard, {call.options.smoothing(), call.options.return_entropy, call.options.return_argmax});
     s.rows(0, kept_n).copy_(kept_stats);
     s.rows(kept_n, call.run.N).copy_(rest_stats);
@@ -234,6 +235,7 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const at::Tensor input = args[0].toTensor(), linear_weight = args[1].toTensor(), target = args[2].toTensor();
   const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
   const LossOptions o = LossOptions::from_ivalues(args.slice(6));
+  const DeviceFacts device = device_facts(input);
   // "first": the pass a call with these arguments runs first, chosen as the ops choose it (the autograd formula's
   // gradients_in_forward, then whether the per-token loss keeps its logits: kept_logit_rows)
   const bool differentiable =
@@ -242,13 +244,13 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const Pass pass = args[3].toStringView() != "first"                  ? parse_pass(args[3].toStringView())
                     : !differentiable                                  ? Pass::Forward
                     : gradients_in_forward(o, input)                   ? Pass::ForwardWithGrad
-                    : kept_logit_rows(input, linear_weight, target, o) ? Pass::ForwardKeepingLogits
-                                                                       : Pass::Forward;
+                    : kept_logit_rows(input, linear_weight, target, o, device) ? Pass::ForwardKeepingLogits
+                                                                               : Pass::Forward;
   // (the kept passes: the rows the forward's kept tensor would have; none kept: Backward's kept tensor has no
   // rows, the forward plans every row)
   const bool kept_pass = pass == Pass::BackwardFromLogits || pass == Pass::ForwardKeepingLogits;
   const std::optional<c10::SymInt> kept_rows =
-      kept_pass ? kept_logit_rows(input, linear_weight, target, o) : std::nullopt;
+      kept_pass ? kept_logit_rows(input, linear_weight, target, o, device) : std::nullopt;
   const int64_t kept = kept_rows ? kept_rows->guard_int(__FILE__, __LINE__) : pass == Pass::BackwardFromLogits ? 0 : -1;
   // the op's own pipeline up to its plan (the targets unchecked: a plan of expanded tensors reads none)
   const Call call({input, linear_weight, target, linear_bias, weight}, o, pass, {/*check=*/false}, kept);

@@ -5,26 +5,25 @@
 #include <optional>
 #include <string>
 
-#include "cuda_driver.h"
-#include "device.h"
 #include "format.h"
-#include "kernel_table.h"
 #include "strategies.h"
 
 namespace fused_ce {
 namespace {
 // The plan of problem p's N rows, all of them or (`selected`) rows gathered from a larger x; `kept_rows`: the
 // kept-logits passes' kept rows (-1: the forward's every row).
-Plan plan_rows(const Problem& p, const LossOptions& o, Pass pass, bool selected, int64_t kept_rows = -1) {
+Plan plan_rows(const Problem& p, const LossOptions& o, const DeviceFacts& device, Pass pass, bool selected,
+               int64_t kept_rows = -1) {
   Plan plan;
+  plan.device = device;
   plan.pass = pass;
   plan.rows = p.N;
   if (pass == Pass::ForwardKeepingLogits) plan.kept_rows = kept_rows >= 0 ? std::min(kept_rows, p.N) : p.N;
   if (pass == Pass::BackwardFromLogits) plan.kept_rows = std::clamp<int64_t>(kept_rows, 0, p.N);
   plan.counted_rows_only = selected;
-  plan.budget_bytes = o.workspace_bytes.value_or(p.x.is_cuda() ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
+  plan.budget_bytes = o.workspace_bytes.value_or(device.cuda ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
   const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
-  if (uses_row_kernels(p)) {
+  if (device.row_kernels(p.N)) {
     plan_kernels(plan, p, o, selected);
   } else {
     TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
@@ -60,7 +59,7 @@ bool counted_rows_pay(const Plan& counted, const Plan& all, const Problem& p) {
       c10::elementSize(counted.grad_weight_dtype) > c10::elementSize(all.grad_weight_dtype)) {
     return false;
   }
-  const ArchConstants& arch = arch_constants(p.x.is_cuda() ? device_arch(p.x.device().index()) : 0);
+  const ArchConstants& arch = all.device.constants;
   return estimated_seconds(counted, p, arch) < estimated_seconds(all, p, arch);
 }
 
@@ -85,15 +84,16 @@ std::optional<Int> kept_rows_of(const Int& rows, const Int& V, const Int& D, int
 }  // namespace
 
 std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight,
-                                           const at::Tensor& target, const LossOptions& o) {
-  if (o.scalar() || !cuda_kernels_embedded(input.device(), input.scalar_type())) return std::nullopt;
+                                           const at::Tensor& target, const LossOptions& o, const DeviceFacts& device) {
+  if (o.scalar() || !device.kernels) return std::nullopt;
   // every rank of a vocabulary-parallel group decides alike, for the largest shard (the same collectives)
   const c10::SymInt V = o.vocab_parallel() ? c10::SymInt(o.max_shard_rows) : linear_weight.sym_size(0);
   return kept_rows_of<c10::SymInt>(target.sym_numel(), V, input.sym_size(-1), c10::elementSize(input.scalar_type()),
                                    o.workspace_bytes.value_or(kDefaultCudaWorkspace));
 }
 
-Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted, int64_t kept) {
+Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device, Pass pass, int64_t counted,
+               int64_t kept) {
   TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar(),
                     "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
   if (o.vocab_parallel() && p.V != o.max_shard_rows) {
@@ -101,7 +101,7 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
     // collectives: vocab_parallel.h); the targets, and so the counted rows, are the same on every rank.
     Problem largest = p;
     largest.V = o.max_shard_rows;
-    return make_plan(largest, o, pass, counted, kept);
+    return make_plan(largest, o, device, pass, counted, kept);
   }
   const bool kept_pass = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
   TORCH_CHECK(pass != Pass::BackwardFromLogits || kept >= 0, "fused_ce: Pass::BackwardFromLogits needs the kept rows");
@@ -109,7 +109,7 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
   // own rows (a selection of rows is planned for a call that has decided); the kept passes are told how many.
   const std::optional<c10::SymInt> would_keep =
       (pass == Pass::Forward || (pass == Pass::ForwardKeepingLogits && kept < 0)) && !p.row_index.defined()
-          ? kept_logit_rows(p.x, p.w, p.target, o)
+          ? kept_logit_rows(p.x, p.w, p.target, o, device)
           : std::nullopt;
   const bool keeps = would_keep.has_value();
   const int64_t kept_rows = keeps ? would_keep->guard_int(__FILE__, __LINE__) : 0;
@@ -121,12 +121,12 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
     if (pass == Pass::Forward) plan.kept_rows = std::min(kept_rows, plan.rows);
     return plan;
   };
-  if (p.row_index.defined()) return with_keeps(plan_rows(p, o, pass, /*selected=*/true, kept));  // a selection
-  const Plan all = plan_rows(p, o, pass, /*selected=*/false, kept);
+  if (p.row_index.defined()) return with_keeps(plan_rows(p, o, device, pass, /*selected=*/true, kept));  // a selection
+  const Plan all = plan_rows(p, o, device, pass, /*selected=*/false, kept);
   if (counted < 0 || counted >= p.N) return with_keeps(all);
   Problem counted_rows = p;
   counted_rows.N = counted;
-  const Plan selected = plan_rows(counted_rows, o, pass, /*selected=*/true, kept);
+  const Plan selected = plan_rows(counted_rows, o, device, pass, /*selected=*/true, kept);
   // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits)
   return with_keeps(kept_pass || counted_rows_pay(selected, all, p) ? selected : all);
 }

@@ -1,6 +1,6 @@
 // What a call will do, decided in one place (make_plan) from the problem, the
-// options, the device, the workspace budget and the number of counted rows; the
-// executors (executors.h) carry it out and decide nothing. torch.ops.fused_ce._plan
+// options, the device's facts (device.h, read by the caller), the workspace budget and the number of counted
+// rows; the executors (executors.h) carry it out and decide nothing. torch.ops.fused_ce._plan
 // shows it to Python (fused_ce.plan), so tests and benchmarks see the path a call takes.
 #pragma once
 
@@ -19,7 +19,8 @@ namespace fused_ce {
 // of selected rows (Problem::row_index) is planned as one. Pass::BackwardFromLogits: `kept` is the kept
 // tensor's rows (kept_logit_rows); where fewer than p.N, the plan's blocks and tiles are those of the other
 // rows, [kept, N), recomputed within the kept tensor's bytes.
-Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counted = -1, int64_t kept = -1);
+Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device, Pass pass, int64_t counted = -1,
+               int64_t kept = -1);
 // The rows of logits a differentiated call of the per-token loss (reduction 'none') with these arguments keeps
 // between forward and backward (Pass::ForwardKeepingLogits, then Pass::BackwardFromLogits), on CUDA with the
 // row kernels: every row (target.numel()) where all their logits (in the input dtype, and their partials) fit
@@ -30,7 +31,7 @@ Plan make_plan(const Problem& p, const LossOptions& o, Pass pass, int64_t counte
 // value). Decided from shapes, dtypes and options alone (guarded symbolic sizes under torch.compile), so that the
 // fake kernels know the shapes.
 std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight,
-                                           const at::Tensor& target, const LossOptions& o);
+                                           const at::Tensor& target, const LossOptions& o, const DeviceFacts& device);
 // kept_logit_rows' constants, for the fake kernel (fused_ce/_fake.py): the default CUDA workspace, the fewest
 // rows a partial keep takes, and the bytes of partials per 1024 columns.
 std::vector<int64_t> kept_logit_rows_constants();

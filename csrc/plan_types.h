@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "device.h"
 #include "options.h"
 #include "problem.h"
 
@@ -40,6 +41,7 @@ enum class Strategy {
 
 // The fields are listed once more in plan_fields (plan.cpp), which _plan's schema and fused_ce.Plan come from.
 struct Plan {
+  DeviceFacts device;  // what it was made for (a plan of part of its rows, by an executor, reads the same)
   Pass pass = Pass::Forward;
   Strategy strategy = Strategy::AtenChunks;
   // The executors run on the counted rows only (Problem::select_rows): each row block gathers its rows of x

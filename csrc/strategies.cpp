@@ -4,8 +4,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda_driver.h"
-#include "cuda_stages.h"
 
 namespace fused_ce {
 namespace {
@@ -34,9 +32,15 @@ int64_t gathered_row_bytes(const Problem& p, Pass pass, bool selected) {
   return pass == Pass::Forward ? x_row : 2 * x_row;
 }
 
+// Device memory per row of a block of stored logits: the logits and logit_partials' partials (3 floats each).
+int64_t logits_row_bytes(const Problem& p, const DeviceFacts& device) {
+  const int64_t partials = device.partials_block_v > 0 ? cdiv(p.V, device.partials_block_v) : 0;
+  return p.V * static_cast<int64_t>(c10::elementSize(p.x.scalar_type())) + 3 * int64_t{sizeof(float)} * partials;
+}
+
 // Rows of stored logits (and their gathered rows) that fit in the budget.
-int64_t stored_logits_rows(const Problem& p, int64_t budget, int64_t gathered_bytes) {
-  return std::clamp<int64_t>(budget / (cuda_logits_row_bytes(p) + gathered_bytes), 1, std::max<int64_t>(p.N, 1));
+int64_t stored_logits_rows(const Problem& p, const DeviceFacts& device, int64_t budget, int64_t gathered_bytes) {
+  return std::clamp<int64_t>(budget / (logits_row_bytes(p, device) + gathered_bytes), 1, std::max<int64_t>(p.N, 1));
 }
 
 // A bound on |g| / c for every logit gradient g of a row with coefficient c at unit scale: |logit_scale| (at
@@ -256,11 +260,11 @@ struct KernelContext {
       : p(problem),
         o(options),
         selected(selected_rows),
-        arch(arch_constants(device_arch(problem.x.device().index()))),
+        arch(plan.device.constants),
         half(problem.x.scalar_type() == at::kHalf),
         gathered(gathered_row_bytes(problem, plan.pass, selected_rows)),
-        capacity(stored_logits_rows(problem, plan.budget_bytes, gathered)),
-        row_bytes(cuda_logits_row_bytes(problem) + gathered),
+        capacity(stored_logits_rows(problem, plan.device, plan.budget_bytes, gathered)),
+        row_bytes(logits_row_bytes(problem, plan.device) + gathered),
         stored(capacity >= arch.min_stored_rows || capacity == problem.N),
         rank_one(options.smoothing() && problem.class_weight.defined() && !problem.softcap.has_value() && !half) {}
 
@@ -307,9 +311,9 @@ void plan_forward_keeping_logits(Plan& plan, const KernelContext& k) {
   const int64_t forward_gathered = gathered_row_bytes(k.p, Pass::Forward, k.selected);
   Problem rest = k.p;
   rest.N = k.p.N - plan.kept_rows;
-  k.stored_logits(plan, k.balanced(rest.N, stored_logits_rows(rest, plan.budget_bytes, forward_gathered)));
+  k.stored_logits(plan, k.balanced(rest.N, stored_logits_rows(rest, plan.device, plan.budget_bytes, forward_gathered)));
   plan.workspace_bytes =
-      std::max(plan.block_rows * (cuda_logits_row_bytes(k.p) + forward_gathered), plan.kept_rows * k.row_bytes);
+      std::max(plan.block_rows * (logits_row_bytes(k.p, plan.device) + forward_gathered), plan.kept_rows * k.row_bytes);
 }
 
 void plan_backward_from_logits(Plan& plan, const KernelContext& k) {
@@ -325,7 +329,7 @@ void plan_backward_from_logits(Plan& plan, const KernelContext& k) {
   Problem rest = k.p;
   rest.N = k.p.N - plan.kept_rows;
   const int64_t kept_bytes = plan.kept_rows * k.p.V * static_cast<int64_t>(c10::elementSize(plan.logits_dtype));
-  k.backward_tiles_of(plan, rest, kept_bytes, k.balanced(rest.N, stored_logits_rows(rest, kept_bytes, k.gathered)));
+  k.backward_tiles_of(plan, rest, kept_bytes, k.balanced(rest.N, stored_logits_rows(rest, plan.device, kept_bytes, k.gathered)));
   const int64_t blocks = 1 + cdiv(rest.N, plan.block_rows);
   plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, blocks);
   slice_weight_grad_if_inexact(plan, k.p, k.o, blocks);

@@ -1,10 +1,9 @@
-// What plan.cpp and strategies.cpp share: the budgets and constants of the plan, the architecture's
-// constants, and the strategies of each pass (plan_types.h says what a plan is).
+// What plan.cpp and strategies.cpp share: the budgets and constants of the plan, and the strategies of each
+// pass (plan_types.h says what a plan is).
 #pragma once
 
 #include <cstdint>
 
-#include "kernel_table.h"
 #include "options.h"
 #include "plan_types.h"
 #include "problem.h"
@@ -32,18 +31,6 @@ constexpr int64_t kPartialBytesPer1024Columns = 3 * sizeof(float);
 
 inline int64_t cdiv(int64_t a, int64_t b) {
   return (a + b - 1) / b;
-}
-
-// The plan's per-architecture constants (configs.py, ARCH_CONSTANTS, embedded
-// by the build): the device's entry, else the default (arch 0).
-inline const ArchConstants& arch_constants(int arch) {
-  const ArchConstants* fallback = nullptr;
-  for (int i = 0; i < kNumArchConstants; ++i) {
-    if (kArchConstants[i].arch == arch) return kArchConstants[i];
-    if (kArchConstants[i].arch == 0) fallback = &kArchConstants[i];
-  }
-  TORCH_CHECK(fallback != nullptr, "fused_ce: the build embedded no plan constants");
-  return *fallback;
 }
 
 // The plan's strategy, blocks, dtypes and workspace: the ATen path's (CPU, and CUDA devices without a fitting

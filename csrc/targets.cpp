@@ -11,7 +11,6 @@
 
 #include "cuda_driver.h"
 #include "cuda_stages.h"
-#include "device.h"
 #include "format.h"
 #include "loss_terms.h"
 
@@ -94,11 +93,11 @@ void weighted_mean_coefficients(Problem& p, const LossOptions& o, const at::Tens
 
 }  // namespace
 
-CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCoefficients* unit,
-                            bool order_under_capture, bool input_abs_max) {
+CountedRows prepare_targets(Problem& p, const LossOptions& o, const DeviceFacts& device, bool check,
+                            GradCoefficients* unit, bool order_under_capture, bool input_abs_max) {
   const at::Tensor raw = p.target;
   CountedRows rows;
-  if (uses_row_kernels(p)) {
+  if (device.row_kernels(p.N)) {
     // prepare_rows makes bad indices ignored rows (nothing is read out of bounds); no host read under capture.
     const bool capturing = stream_capturing(p.x.device());
     at::Tensor order;

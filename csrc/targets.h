@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include "device.h"
 #include "options.h"
 #include "problem.h"
 
@@ -23,8 +24,8 @@ struct CountedRows {
   at::Tensor ignored_index() const { return order.narrow(0, counted, order.numel() - counted); }
 };
 
-// Marks ignored rows (-1 in p.target) and, where the row kernels run (uses_row_kernels: the plan's
-// rows_on_device), sets p.target_weight and p.totals in one launch (cuda_prepare_rows). With `check`, a class index
+// Marks ignored rows (-1 in p.target) and, where the row kernels run (DeviceFacts::row_kernels: the
+// plan's rows_on_device), sets p.target_weight and p.totals in one launch (cuda_prepare_rows). With `check`, a class index
 // outside [0, V) that is not ignore_index is an IndexError naming it, found by one host read, which also
 // brings the count of counted rows; under CUDA graph capture no read (the count stays unknown, and bad
 // indices make the loss NaN and are reported by the next call outside capture). With `unit`, also the
@@ -32,7 +33,7 @@ struct CountedRows {
 // preparation of targets the forward checked) the count is read all the same, outside capture. With
 // `order_under_capture` (and the row kernels), the order is written under capture too, where the count is not read.
 // With `input_abs_max` (and the row kernels, outside capture), the same read brings p.input_abs_max.
-CountedRows prepare_targets(Problem& p, const LossOptions& o, bool check, GradCoefficients* unit,
-                            bool order_under_capture = false, bool input_abs_max = false);
+CountedRows prepare_targets(Problem& p, const LossOptions& o, const DeviceFacts& device, bool check,
+                            GradCoefficients* unit, bool order_under_capture = false, bool input_abs_max = false);
 
 }  // namespace fused_ce
