@@ -93,11 +93,33 @@ Call::Call(const LossInputs& in, LossOptions loss_options, Pass pass, const Targ
       input_shape_(in.input.sizes().vec()),
       input_dtype_(in.input.scalar_type()),
       weight_dtype_(in.linear_weight.scalar_type()) {
+  prepare(pass, targets, kept, every_row);
+}
+
+Call::Call(Problem made, LossOptions loss_options, Pass pass, const Targets& targets, at::IntArrayRef row_shape,
+           const at::Tensor& input, at::ScalarType weight_dtype)
+    : options(std::move(loss_options)),
+      problem(std::move(made)),
+      target_shape_(row_shape.vec()),
+      input_shape_(input.sizes().vec()),
+      input_dtype_(input.scalar_type()),
+      weight_dtype_(weight_dtype) {
+  prepare(pass, targets, -1, false);
+}
+
+void Call::prepare(Pass pass, const Targets& targets, int64_t kept, bool every_row) {
   const bool kept_pass = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
   const DeviceFacts device = device_facts(problem.x);
-  const CountedRows prepared =
-      prepare_targets(problem, options, device, targets.check, targets.unit, /*order_under_capture=*/kept_pass,
-                      returns_scaled_float16_weight_grad(problem, options, pass));
+  CountedRows prepared;
+  if (targets.given) {
+    prepared =
+        prepare_targets(problem, options, device, targets.check, targets.unit,
+                        /*order_under_capture=*/kept_pass, returns_scaled_float16_weight_grad(problem, options, pass));
+  } else {
+    prepared.counted = problem.N;
+    prepared.order = at::arange(problem.N, problem.target.options());
+  }
+  if (problem.teacher.top_indices.defined()) check_teacher_classes(problem, options);
   if (kept_pass) {
     rows = kept_rows(problem, prepared);
     run = kept_run(problem, prepared, rows);
@@ -136,8 +158,9 @@ at::Tensor Call::per_target(const at::Tensor& run_rows) const {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::outputs(const RowStats& run_stats) const {
-  return fused_ce::outputs(problem, plan.counted_rows_only ? every_row(problem, options, plan.device, rows, run_stats) : run_stats,
-                           target_shape_);
+  return fused_ce::outputs(
+      problem, plan.counted_rows_only ? every_row(problem, options, plan.device, rows, run_stats) : run_stats,
+      target_shape_);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::grads(const Grads& g, bool keep_dtypes) const {

@@ -32,6 +32,7 @@ class Call {
   struct Targets {
     bool check = true;                 // check the class indices (the forward's; the backward's were checked)
     GradCoefficients* unit = nullptr;  // also the scalar loss's unit gradient coefficients
+    bool given = true;                 // false: no target (a distillation's is optional), every row counts
   };
 
   // The pipeline up to the plan. The kept-logits passes run the kept rows' order (CountedRows::order) and plan for
@@ -39,6 +40,10 @@ class Call {
   // with a gradient on every row's lse) plans for all rows.
   Call(const LossInputs& in, LossOptions loss_options, Pass pass, const Targets& targets, int64_t kept = -1,
        bool every_row = false);
+  // The same over a problem made elsewhere (a distillation's: make_distillation_problem), of `input`'s rows
+  // shaped `row_shape` (the targets' shape), its linear weight in `weight_dtype`.
+  Call(Problem made, LossOptions loss_options, Pass pass, const Targets& targets, at::IntArrayRef row_shape,
+       const at::Tensor& input, at::ScalarType weight_dtype);
 
   const LossOptions options;
   Problem problem;   // every row
@@ -66,6 +71,8 @@ class Call {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> grads(const Grads& g, bool keep_dtypes = false) const;
 
  private:
+  void prepare(Pass pass, const Targets& targets, int64_t kept, bool every_row);
+
   std::vector<int64_t> target_shape_, input_shape_;
   at::ScalarType input_dtype_, weight_dtype_;
 };

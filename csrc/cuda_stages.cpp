@@ -340,4 +340,41 @@ bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
   return true;
 }
 
+void cuda_distill_rows(DistillSweep sweep, const Problem& p, const LossOptions& o, const DistillBlock& b) {
+  const char* dtype = cuda_kernel_dtype(b.zs.scalar_type());
+  const int arch = device_arch(b.zs.device().index());
+  const auto rows_aligned = [](const at::Tensor& t) { return aligned16(t) && t.stride(0) % 16 == 0; };
+  const bool aligned = rows_aligned(b.zs) && (!b.zt.defined() || rows_aligned(b.zt)) && p.V % 16 == 0;
+  const KernelVariant* v = aligned ? find_variant("distill_rows", dtype, "aligned", arch) : nullptr;
+  if (v == nullptr) v = find_variant("distill_rows", dtype, "general", arch);
+  TORCH_CHECK(v != nullptr, o.caller, ": no distill_rows kernel for sm_", num(arch));
+  const at::Tensor& zt = b.zt.defined() ? b.zt : b.zs;  // (not read without the teacher's head)
+  const Teacher& t = p.teacher;
+  KernelArgs args;
+  args.ptr("zs_ptr", b.zs)
+      .ptr("zt_ptr", zt)
+      .ptr("stats_ptr", b.stats)
+      .ptr("coef_ptr", b.coef)
+      .ptr("tgt_ptr", b.target)
+      .i64("N", b.zs.size(0))
+      .i64("V", p.V)
+      .i64("stride_s", b.zs.stride(0))
+      .i64("stride_t", zt.stride(0))
+      .f32("inv_t", static_cast<float>(1.0 / o.temperature))
+      .f32("s_scale", static_cast<float>(o.logit_scale))
+      .f32("s_softcap", static_cast<float>(o.softcap.value_or(1.0)))
+      .f32("t_scale", static_cast<float>(t.logit_scale))
+      .f32("t_softcap", static_cast<float>(t.softcap.value_or(1.0)))
+      .f32("log_1mb", static_cast<float>(o.beta < 1.0 ? std::log1p(-o.beta) : 0.0))
+      .f32("log_b", static_cast<float>(o.beta > 0.0 ? std::log(o.beta) : 0.0))
+      .i32("stage", static_cast<int32_t>(sweep))
+      // the kernel's codes: forward KL 0, reverse KL 1, JSD 2, top k 3 (distill_rows.py)
+      .i32("divergence", static_cast<int32_t>(t.divergence) - static_cast<int32_t>(Divergence::ForwardKL))
+      .i32("has_teacher", b.zt.defined())
+      .i32("hard", o.hard_label_weight > 0.0)
+      .i32("has_s_softcap", o.softcap.has_value())
+      .i32("has_t_softcap", t.softcap.has_value());
+  launch(*v, b.zs.device(), b.zs.size(0), args);
+}
+
 }  // namespace fused_ce

@@ -43,6 +43,19 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
 void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
                        bool smoothing);
 
+// linear_distillation_loss's block (distillation_cuda.cpp): the raw logits of p's student head and of its
+// teacher's ([k, V] in the input dtype; zt undefined with the teacher's top k), the kernel's row values
+// (stats [9, k] float32: the log-sum-exps as maxes and log sums, the divergence's and entropy's sums), each row's
+// gradient coefficients (coef [2, k] float32: the divergence's and the label's) and this shard's column of its
+// label (target [k] int64, -1 where none here).
+struct DistillBlock {
+  at::Tensor zs, zt, stats, coef, target;
+};
+enum class DistillSweep { LogSumExps = 0, Sums = 1, Gradient = 2 };
+// One sweep of distill_rows.py over the block: the log-sum-exps, the divergence's and entropy's sums, or the
+// gradient of each row's loss in place of zs.
+void cuda_distill_rows(DistillSweep sweep, const Problem& p, const LossOptions& o, const DistillBlock& b);
+
 // grad *= scale ([] float32 on grad's device) in place by the scale kernel (scale.py), which reads scale on the
 // device and returns at once when it is 1; false where it does not apply (no cubin, a non-contiguous grad).
 bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale);

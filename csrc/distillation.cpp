@@ -1,240 +1,193 @@
-// linear_distillation_loss (distillation.h): the row-block pipeline (its arguments: distillation_args.cpp).
+// linear_distillation_loss's kernels (distillation.h): the op, its with-grad op, its autograd formula; each a Call
+// over the problem with the teacher (make_distillation_problem) and the plan's executor (executors.h).
 #include "distillation.h"
 
-#include <ATen/core/grad_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "distillation_call.h"
+#include "call.h"
+#include "distillation_problem.h"
+#include "executors.h"
 #include "format.h"
-#include "strategies.h"
-#include "vocab_parallel.h"
+#include "op_function.h"
 
 namespace fused_ce {
-namespace distillation {
-at::Tensor counted_rows(const Distillation& d, const at::Tensor& t) {
-  return !t.defined() || d.counted.numel() == d.N ? t : t.index_select(0, d.counted);
-}
-
-at::Tensor transformed(at::Tensor z, const Transform& f, at::Tensor* chain) {
-  if (f.scale != 1.0) z = z * f.scale;
-  if (!f.softcap) return z;
-  const double c = *f.softcap;
-  z = z.div(c).tanh_();
-  if (chain) *chain = (1.0 - z * z) * f.scale;
-  return z.mul_(c);
-}
-
-std::pair<at::Tensor, at::Tensor> local_classes(const Distillation& d, const at::Tensor& idx) {
-  const at::Tensor local = idx - d.o.vocab_start;
-  const at::Tensor owned = local.ge(0).logical_and(local.lt(d.V));
-  return {at::where(owned, local, at::zeros({}, local.options())), owned};
-}
-
-at::Tensor summed_over_shards(const Distillation& d, at::Tensor t) {
-  if (d.o.sharded()) all_reduce_(t, "sum", d.o.group);
-  return t;
-}
-
-TopKTeacher top_k_teacher(const at::Tensor& log_probs) {
-  const at::Tensor lse = at::logsumexp(log_probs, 1, true);
-  const at::Tensor zero = at::zeros({}, log_probs.options());
-  const at::Tensor log_q = log_probs - lse;
-  // (-inf where lse is: exp gives 0, the product 0 log 0 would be NaN)
-  const at::Tensor q = at::where(log_probs.eq(-INFINITY), zero, log_q.exp());
-  return {q, at::where(q.gt(0), q * log_q, zero).sum(1), lse.ne(-INFINITY).to(log_probs.scalar_type())};
-}
-
 namespace {
 
-// Over the classes of every shard: each row's sum of t [k, V_shard].
-at::Tensor row_sum(const Distillation& d, const at::Tensor& t) {
-  return summed_over_shards(d, t.sum(1));
-}
+constexpr const char* kCaller = "linear_distillation_loss";
 
-// Each row's log-sum-exp as (max, log sum exp(z - max)), [k, 1] each, over every shard's classes. A
-// log-probability is (z - max) - log sum: never z - (max + log sum), which rounds the log-sum-exp to the max's
-// precision (float32 at logits of 1e4 would lose the divergence's digits).
-std::pair<at::Tensor, at::Tensor> lse_parts(const Distillation& d, const at::Tensor& z) {
-  at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));
-  if (d.o.sharded()) all_reduce_(m, "max", d.o.group);
-  return {m, summed_over_shards(d, (z - m).exp_().sum(1, true)).log_()};
-}
-
-at::Tensor log_probs(const Distillation& d, const at::Tensor& z) {
-  const auto [m, log_sum] = lse_parts(d, z);
-  return (z - m).sub_(log_sum);
-}
-
-// The logits of rows x of a head in acc (a product in the input dtype: torch's F.linear rounding), after the
-// head's transform; with `chain`, d logits / d product (undefined where it is the constant logit_scale).
-at::Tensor logits_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Transform& f,
-                     at::ScalarType acc, at::Tensor* chain = nullptr) {
-  return transformed((b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t())).to(acc), f, chain);
-}
-
-struct Block {
-  at::Tensor loss, entropy;  // [k], acc
-  at::Tensor grad;           // [k, V], acc: d loss_row / d student product (where asked for)
-};
-
-// One block of counted rows.
-Block distill_block(const Distillation& d, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& top_idx,
-                    const at::Tensor& top_lp, const at::Tensor& target, bool with_grad) {
-  const Options& o = d.o;
-  const double T = o.temperature, w = o.hard_label_weight, b = o.beta;
-  at::Tensor chain;
-  const at::Tensor z1 = logits_of(xs, d.w, d.bias, o.student, d.acc, with_grad ? &chain : nullptr);
-  const at::Tensor s = log_probs(d, z1 / T);
-  const at::Tensor ps = s.exp();
-  at::Tensor divergence, grad;  // grad: of the divergence with respect to the student's logits / T
-  if (o.divergence == Divergence::TopK) {
-    const TopKTeacher q = top_k_teacher(top_lp);
-    auto [local, owned] = local_classes(d, top_idx);
-    const at::Tensor q_owned = at::where(owned, q.q, at::zeros({}, q.q.options()));
-    divergence = q.neg_entropy - row_sum(d, q_owned * s.gather(1, local));
-    if (with_grad) grad = (ps * q.mass).scatter_add_(1, local, -q_owned);
-  } else {
-    const at::Tensor t = log_probs(d, logits_of(xt, d.wt, d.teacher_bias, o.teacher, d.acc) / T);
-    const at::Tensor pt = t.exp();
-    switch (o.divergence) {
-      case Divergence::ForwardKL:  // sum p_t (t - s): gradient p_s - p_t
-        divergence = row_sum(d, pt * (t - s));
-        if (with_grad) grad = ps - pt;
-        break;
-      case Divergence::ReverseKL: {  // sum p_s (s - t): gradient p_s ((s - t) - KL)
-        const at::Tensor gap = s - t;
-        divergence = row_sum(d, ps * gap);
-        if (with_grad) grad = ps * (gap - divergence.unsqueeze(1));
-        break;
+// (loss, entropy, grad_input, grad_linear_weight, grad_linear_bias): the call over the counted rows (every row
+// under CUDA graph capture, the ignored ones weighed 0), the gradients `need` asks for where `with_grad`, each
+// row's times row_scale (else the reduction's own).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill(const DistillationInputs& in,
+                                                                               LossOptions o, bool with_grad,
+                                                                               const OptionalTensor& row_scale,
+                                                                               GradMask need) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // (the dtypes as given)
+  Problem problem = make_distillation_problem(in, o);
+  const Call call(std::move(problem), std::move(o), with_grad ? Pass::ForwardWithGrad : Pass::Forward,
+                  {/*check=*/true, /*unit=*/nullptr, /*given=*/in.target && in.target->defined()},
+                  in.input.sizes().slice(0, in.input.dim() - 1), in.input, in.linear_weight.scalar_type());
+  const LossOptions& options = call.options;
+  const auto acc = call.problem.x.options().dtype(loss_dtype(call.problem));
+  // the rows run are the counted ones where their count was read, else (CUDA graph capture) every row, with this
+  // mask of the counted ones
+  const at::Tensor counts = call.rows.known() ? at::Tensor() : call.run.target.ge(0).to(acc.dtype());
+  const auto counted = [&]() { return counts.sum(); };
+  std::optional<RowScale> scale;
+  if (with_grad) {
+    RowScale s;
+    if (row_scale && row_scale->defined()) {
+      TORCH_CHECK_VALUE(row_scale->numel() == call.problem.N, kCaller, ": row_scale must hold one value per row (",
+                        num(call.problem.N), "), got ", num(row_scale->numel()));
+      s.rows = call.of_run(row_scale)->to(acc.dtype());
+      if (counts.defined()) s.rows = s.rows * counts;
+    } else if (options.reduction_kind == Reduction::Mean) {  // an upstream gradient of 1 on the scalar loss
+      if (counts.defined()) {
+        s.rows = counts / counted().clamp_min(1);
+      } else {
+        s.uniform = 1.0 / static_cast<double>(std::max<int64_t>(call.rows.counted, 1));
       }
-      default: {  // log m from the log-probs; gradient (1 - beta) p_s ((s - log m) - sum p_s (s - log m))
-        const at::Tensor log_m = at::logaddexp(s + std::log1p(-b), t + std::log(b));
-        const at::Tensor student_gap = s - log_m;
-        const at::Tensor student_kl = row_sum(d, ps * student_gap);
-        divergence = b * row_sum(d, pt * (t - log_m)) + (1.0 - b) * student_kl;
-        if (with_grad) grad = (1.0 - b) * ps * (student_gap - student_kl.unsqueeze(1));
-        break;
-      }
+    } else if (counts.defined()) {
+      s.rows = counts;
     }
+    scale = s;
   }
-  Block out{divergence * (1.0 - w), o.entropy ? -row_sum(d, ps * s) : at::Tensor(),
-            with_grad ? grad * ((1.0 - w) / T) : at::Tensor()};
-  if (w > 0.0) {  // the cross-entropy of the student's own logits (at T = 1) on the label
-    const auto [m, log_sum] = lse_parts(d, z1);
-    auto [local, owned] = local_classes(d, target.unsqueeze(1));
-    const at::Tensor zero = at::zeros({}, z1.options());
-    // -log p at the label: (max - z_label) + log sum, the label's logit from the shard holding it
-    const at::Tensor label_logit = row_sum(d, at::where(owned, z1.gather(1, local), zero));
-    out.loss = out.loss + w * ((m.squeeze(1) - label_logit) + log_sum.squeeze(1));
-    if (with_grad) {
-      at::Tensor ce_grad = (z1 - m).sub_(log_sum).exp_();
-      ce_grad.scatter_add_(1, local, at::where(owned, -1.0, zero).to(d.acc));
-      out.grad = out.grad + w * ce_grad;
-    }
+  const Problem shard = call.shard();
+  DistillationRows r = call.plan.strategy == Strategy::AtenChunks
+                           ? distillation_rows(shard, options, call.plan, scale, need)
+                           : distillation_rows_from_kernels(shard, options, call.plan, scale, need);
+  if (counts.defined()) {
+    r.loss.mul_(counts);
+    if (r.entropy.defined()) r.entropy.mul_(counts);
   }
-  if (with_grad) out.grad = chain.defined() ? out.grad * chain : out.grad * o.student.scale;
-  return out;
+  at::Tensor loss;
+  switch (options.reduction_kind) {
+    case Reduction::None: loss = call.per_target(r.loss.unsqueeze(0))[0]; break;
+    case Reduction::Sum: loss = r.loss.sum(); break;
+    case Reduction::Mean:  // (no counted row: NaN, as torch's mean)
+      loss = counts.defined() ? r.loss.sum() / counted() : r.loss.sum() / static_cast<double>(call.rows.counted);
+      break;
+  }
+  const at::Tensor entropy =
+      options.return_entropy ? call.per_target(r.entropy.unsqueeze(0))[0] : at::empty({0}, r.loss.options());
+  const auto [gx, gw, gb] = call.grads(r.grads);
+  return {call.flagged(loss), entropy, gx, gw, gb};
 }
 
 }  // namespace
 
-at::Tensor block_rows(const Distillation& d, const at::Tensor& t, int64_t begin, int64_t end) {
-  if (!t.defined()) return t;
-  return d.counted.numel() == d.N ? t.slice(0, begin, end) : t.index_select(0, d.counted.slice(0, begin, end));
+std::tuple<at::Tensor, at::Tensor> linear_distillation_loss(
+    FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
+  const auto out = distill({FUSED_CE_DISTILLATION_TENSOR_ARGS},
+                           distillation_options(FUSED_CE_ARG_LIST(FUSED_CE_DISTILLATION_OPTIONS)), false, std::nullopt,
+                           {false, false, false});
+  return {std::get<0>(out), std::get<1>(out)};
 }
 
-at::Tensor input_grad_rows(const Distillation& d, const at::Tensor& gx, int64_t begin, int64_t end) {
-  return d.counted.numel() == d.N ? gx.slice(0, begin, end) : at::empty({end - begin, gx.size(1)}, gx.options());
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_distillation_with_grad(
+    FUSED_CE_DISTILLATION_TENSOR_PARAMS, const OptionalTensor& row_scale,
+    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
+  return distill({FUSED_CE_DISTILLATION_TENSOR_ARGS},
+                 distillation_options(FUSED_CE_ARG_LIST(FUSED_CE_DISTILLATION_OPTIONS)), true, row_scale, output_mask);
 }
 
-void store_input_grad(const Distillation& d, at::Tensor gx, const at::Tensor& rows, int64_t begin) {
-  if (d.counted.numel() != d.N) gx.index_copy_(0, d.counted.slice(0, begin, begin + rows.size(0)), rows);
-}
+namespace {
 
-Rows run_blocks(const Distillation& d, const std::optional<RowScale>& scale, std::array<bool, 3> mask) {
-  if (uses_kernels(d)) return run_blocks_cuda(d, scale, mask);
-  const int64_t K = d.counted.numel();
-  const bool with_grad = scale && (mask[0] || mask[1] || mask[2]);
-  const at::Tensor target = counted_rows(d, d.target), top_idx = counted_rows(d, d.top_indices),
-                   top_lp = counted_rows(d, d.top_log_probs);
-  // A block's temporaries: about eight [rows, V] tensors in acc. Every rank of a group takes the same blocks
-  // (its collectives must match): sized by the largest shard.
-  const int64_t classes = std::max<int64_t>(d.o.sharded() ? d.o.max_shard_rows : d.V, 1);
-  const int64_t row_bytes = 8 * static_cast<int64_t>(c10::elementSize(d.acc)) * classes;
-  const auto rows_within = [&](int64_t bytes) {
-    return std::clamp<int64_t>(bytes / row_bytes, 1, std::max<int64_t>(K, 1));
-  };
-  int64_t block = rows_within(d.o.workspace_bytes);
-  const auto acc = d.x.options().dtype(d.acc);
-  Rows out;
-  out.loss = at::empty({K}, acc);
-  if (d.o.entropy) out.entropy = at::empty({K}, acc);
-  if (with_grad) {
-    if (mask[0]) out.gx = K == d.N ? at::empty_like(d.x) : at::zeros_like(d.x);
-    if (mask[1]) {
-      // dW accumulated in place over the blocks: in its own dtype (float32, float64: the gradient itself), or, for
-      // bfloat16 and float16 over more than one block, in a float32 accumulator where that fits in half the
-      // budget (the blocks take the rest), else in the input dtype, as the cross-entropy ops (strategies.cpp)
-      const int64_t float32_dw = d.V * d.x.size(1) * int64_t{sizeof(float)};
-      const bool half = d.x.element_size() < 4;
-      const bool float32_sum = half && cdiv(K, block) > 1 && float32_dw <= d.o.workspace_bytes / 2;
-      if (float32_sum) block = rows_within(d.o.workspace_bytes - float32_dw);
-      out.gw = at::zeros({d.V, d.x.size(1)}, half && !float32_sum ? d.x.options() : acc);
-    }
-    if (mask[2] && d.bias.defined()) out.gb = at::zeros({d.V}, acc);
+// linear_distillation_loss's autograd: a scalar loss's gradients formed in the forward (the backward scales
+// them); 'none' forms them in the backward for its upstream gradient, one pass over both heads again.
+struct DistillationOp : torch::CustomClassHolder {
+  // teacher_input, teacher_weight, target, teacher_bias, teacher top-k indices and log-probabilities
+  variable_list args;
+  std::vector<c10::IValue> options;  // in schema order
+  bool scalar = true;
+
+  DistillationOp(const std::array<OptionalTensor, 6>& others, std::vector<c10::IValue> options_in_order,
+                 bool scalar_loss)
+      : options(std::move(options_in_order)), scalar(scalar_loss) {
+    for (const auto& t : others) args.push_back(t.value_or(at::Tensor()));
   }
-  const at::NoGradGuard no_grad;
-  const auto rows = [](const at::Tensor& t, int64_t begin, int64_t end) {
-    return t.defined() ? t.slice(0, begin, end) : t;
-  };
-  for (int64_t begin = 0; begin < K; begin += block) {
-    const int64_t end = std::min(K, begin + block);
-    const at::Tensor xs_b = block_rows(d, d.x, begin, end);
-    Block r = distill_block(d, xs_b, block_rows(d, d.xt, begin, end), rows(top_idx, begin, end),
-                            rows(top_lp, begin, end), rows(target, begin, end), with_grad);
-    out.loss.slice(0, begin, end).copy_(r.loss);
-    if (d.o.entropy) out.entropy.slice(0, begin, end).copy_(r.entropy);
-    if (!with_grad) continue;
-    at::Tensor& g = r.grad;  // (the block's own: scaled in place)
-    if (scale->rows.defined()) {
-      g.mul_(scale->rows.slice(0, begin, end).unsqueeze(1));
-    } else if (scale->uniform != 1.0) {
-      g.mul_(scale->uniform);
-    }
-    const at::Tensor g_in = g.to(d.x.scalar_type());  // the products in the input dtype, as the forward's
-    if (mask[0]) {
-      at::Tensor gx_b = input_grad_rows(d, out.gx, begin, end);
-      at::mm_out(gx_b, g_in, d.w);
-      store_input_grad(d, out.gx, gx_b, begin);
-    }
-    if (mask[1]) {  // in place: never a [V, D] product beside dW
-      if (out.gw.scalar_type() == g_in.scalar_type()) {
-        out.gw.addmm_(g_in.t(), xs_b);
-      } else {
-        out.gw.addmm_(g.t(), xs_b.to(out.gw.scalar_type()));  // (g: the float32 gradient, unrounded)
-      }
-    }
-    if (out.gb.defined()) out.gb.add_(g.sum(0));
+
+  std::string caller() const { return kCaller; }
+
+  // _linear_distillation_with_grad below autograd: (loss, entropy, grad_input, grad_weight, grad_bias).
+  variable_list with_grad(const Linear& l, const at::Tensor& row_scale, const Mask& mask) const {
+    static const auto op = op_handle("fused_ce::_linear_distillation_with_grad");
+    torch::jit::Stack stack{l.input,
+                            l.weight,
+                            optional(args[0]),
+                            optional(args[1]),
+                            optional(args[2]),
+                            optional(l.bias),
+                            optional(args[3]),
+                            optional(args[4]),
+                            optional(args[5]),
+                            optional(row_scale),
+                            std::vector<bool>(mask.begin(), mask.end())};
+    stack.insert(stack.end(), options.begin(), options.end());
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(&stack);
+    variable_list out;
+    for (const auto& v : stack) out.push_back(v.toTensor());
+    return out;
   }
-  return out;
+
+  Forward forward(const Linear& l, const Mask& needs) const {
+    Forward f;
+    const variable_list all = with_grad(l, at::Tensor(), scalar ? needs : Mask{false, false, false});
+    f.outputs = {all[0], all[1]};
+    f.non_differentiable = {all[1]};
+    if (scalar) f.used_up = {all[2], all[3], all[4]};
+    return f;
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Linear& l, const variable_list&,
+                                                          const variable_list& grads, const Mask& mask,
+                                                          std::optional<variable_list> used_up) const {
+    if (scalar) {
+      const auto recompute = [&] {
+        const variable_list all = with_grad(l, at::Tensor(), mask);
+        return variable_list{all[2], all[3], all[4]};
+      };
+      return scaled_forward_grads(std::move(used_up), recompute, l, grads[0], mask);
+    }
+    const at::Tensor upstream = grads[0].defined() ? grads[0]
+                                                   : at::zeros(l.input.sizes().slice(0, l.input.dim() - 1),
+                                                               l.input.options().dtype(at::kFloat));
+    const variable_list all = with_grad(l, upstream, mask);
+    return {all[2], all[3], all[4]};
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> linear_distillation_loss_autograd(
+    FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
+  for (const auto& [argument, t] : {std::pair<const char*, const OptionalTensor*>{"teacher_input", &teacher_input},
+                                    {"teacher_weight", &teacher_weight},
+                                    {"teacher_bias", &teacher_bias},
+                                    {"teacher_top_k log_probs", &teacher_top_log_probs}}) {
+    check_not_differentiable(kCaller, argument, *t, " (the teacher gets no gradient)");
+  }
+  const Linear l{input, linear_weight, linear_bias.value_or(at::Tensor())};
+  if (!needs_autograd(kCaller, l)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return linear_distillation_loss(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
+  }
+#define FUSED_CE_IVALUE_ITEM(cpp_type, name, ...) , c10::IValue(name)
+  auto options = detail::call_without_first([](auto... v) { return std::vector<c10::IValue>{v...}; },
+                                            0 FUSED_CE_DISTILLATION_OPTIONS(FUSED_CE_IVALUE_ITEM));
+#undef FUSED_CE_IVALUE_ITEM
+  const auto op = c10::make_intrusive<DistillationOp>(
+      std::array<OptionalTensor, 6>{teacher_input, teacher_weight, target, teacher_bias, teacher_top_indices,
+                                    teacher_top_log_probs},
+      std::move(options), reduction != "none");
+  const variable_list out = OpFunction<DistillationOp>::apply(input, linear_weight, linear_bias, op);
+  return {out[0], out[1]};
 }
 
-at::Tensor per_row(const Distillation& d, const at::Tensor& counted_values) {
-  at::Tensor all = at::zeros({d.N}, counted_values.options());
-  return all.index_copy_(0, d.counted, counted_values).reshape(d.rows_shape);
-}
-
-at::Tensor reduced(const Distillation& d, const at::Tensor& losses) {
-  if (d.o.reduction == Reduction::None) return per_row(d, losses);
-  const at::Tensor sum = losses.sum();
-  if (d.o.reduction == Reduction::Sum) return sum;
-  return sum / static_cast<double>(d.counted.numel());  // (no counted row: NaN, as torch's mean)
-}
-
-}  // namespace distillation
 }  // namespace fused_ce

@@ -11,7 +11,10 @@
 // 'mean' over the counted rows, 'sum', 'none' (per row, 0 at ignored rows). return_entropy: each row's student
 // entropy at T (0 at ignored rows), no gradient. Vocabulary parallel (the shard options): both heads hold the
 // same shard of the classes; the row statistics are combined over the group, so every rank gets the loss.
-// The stages are ATen's (cuBLAS's GEMMs on CUDA): the kernels of the cross-entropy ops are not used here yet.
+// A call of the ops is a Call (call.h) over a problem whose teacher is part of it (make_distillation_problem:
+// distillation_problem.h): its targets prepared as every op's (CUDA graph capture included), its blocks planned
+// (plan_distillation) and run by its executor (executors.h: ATen's stages, or cuBLAS's products swept by the
+// distill_rows kernel).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <functional>
+#include <optional>
 #include <utility>
 
 #include "blocks.h"
@@ -50,5 +51,27 @@ struct CoefficientSource {
 // from the same logits (Pass::ForwardWithGrad).
 std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions& o, const Plan& plan,
                                              const CoefficientSource& unit, GradMask need);
+
+// linear_distillation_loss's rows (a problem with a teacher: Problem::distills; p the vocabulary shard of the
+// rows run): each row's loss and student entropy ([p.N] in the loss dtype; the entropy where asked for) and, with
+// a scale, the student's gradients `need` asks for, of each row's loss times its scale: `rows` ([p.N] in the loss
+// dtype: a 'none' loss's upstream gradient, 0 at ignored rows run under CUDA graph capture), else `uniform` (a
+// scalar loss's 1 or 1 / K, applied to the products rather than to the half-precision gradient blocks, which it
+// could take below float16's range).
+struct RowScale {
+  at::Tensor rows;
+  double uniform = 1.0;
+};
+struct DistillationRows {
+  at::Tensor loss, entropy;
+  Grads grads;
+};
+// distillation_aten.cpp: Strategy::AtenChunks, each block's logits of both heads in the loss dtype.
+DistillationRows distillation_rows(const Problem& p, const LossOptions& o, const Plan& plan,
+                                   const std::optional<RowScale>& scale, GradMask need);
+// distillation_cuda.cpp: Strategy::StoredLogits, each block's raw logits in the input dtype, swept by the
+// distill_rows kernel (cuda_distill_rows).
+DistillationRows distillation_rows_from_kernels(const Problem& p, const LossOptions& o, const Plan& plan,
+                                                const std::optional<RowScale>& scale, GradMask need);
 
 }  // namespace fused_ce

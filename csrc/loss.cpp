@@ -102,12 +102,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   } else {
     // the other rows first, in blocks of their own workspace, freed before the kept logits take its place
     const Problem rest = shard.row_range(kept_n, call.run.N);
-    const RowStats rest_stats = forward_stats(rest, call.options, make_plan(rest, call.options, call.plan.device, Pass::Forward));
+    const RowStats rest_stats =
+        forward_stats(rest, call.options, make_plan(rest, call.options, call.plan.device, Pass::Forward));
     logits = at::empty({capacity, shard.V}, call.problem.x.options());
     const Problem kept_part = shard.row_range(0, kept_n);
     const RowStats kept_stats = forward_stats(
-        kept_part, call.options, make_plan(kept_part, call.options, call.plan.device, Pass::ForwardKeepingLogits, -1, kept_n),
-        logits);
+        kept_part, call.options,
+        make_plan(kept_part, call.options, call.plan.device, Pass::ForwardKeepingLogits, -1, kept_n), logits);
     s = RowStats::allocate(shard, {call.options.smoothing(), call.options.return_entropy, call.options.return_argmax});
     s.rows(0, kept_n).copy_(kept_stats);
     s.rows(kept_n, call.run.N).copy_(rest_stats);
@@ -241,9 +242,9 @@ void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool differentiable =
       at::GradMode::is_enabled() && (input.requires_grad() || linear_weight.requires_grad() ||
                                      (linear_bias && linear_bias->defined() && linear_bias->requires_grad()));
-  const Pass pass = args[3].toStringView() != "first"                  ? parse_pass(args[3].toStringView())
-                    : !differentiable                                  ? Pass::Forward
-                    : gradients_in_forward(o, input)                   ? Pass::ForwardWithGrad
+  const Pass pass = args[3].toStringView() != "first"                          ? parse_pass(args[3].toStringView())
+                    : !differentiable                                          ? Pass::Forward
+                    : gradients_in_forward(o, input)                           ? Pass::ForwardWithGrad
                     : kept_logit_rows(input, linear_weight, target, o, device) ? Pass::ForwardKeepingLogits
                                                                                : Pass::Forward;
   // (the kept passes: the rows the forward's kept tensor would have; none kept: Backward's kept tensor has no

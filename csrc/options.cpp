@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <string>
+#include <tuple>
 
 #include "format.h"
 
@@ -44,6 +45,7 @@ LossOptions LossOptions::parse(FUSED_CE_PARAM_LIST(FUSED_CE_ALL_OPTIONS)) {
 // ValueError for the options of our own.
 void LossOptions::check() {
   const std::string& op = caller;
+  if (distillation) check_teacher();
   reduction_kind = parse_reduction(op, reduction);
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, ": label_smoothing must be in [0, 1], got ",
               num(label_smoothing));
@@ -67,6 +69,34 @@ void LossOptions::check() {
                       ": a vocabulary shard needs vocab_start >= 0, vocab_size > 0 and max_shard_rows > 0, got ",
                       num(vocab_start), ", ", num(vocab_size), ", ", num(max_shard_rows));
   }
+}
+
+void LossOptions::check_teacher() const {
+  const std::string& op = caller;
+  TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta <= 1.0, op, ": beta must be in [0, 1], got ", num(beta));
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0, op,
+                    ": temperature must be positive and finite, got ", num(temperature));
+  TORCH_CHECK_VALUE(std::isfinite(hard_label_weight) && hard_label_weight >= 0.0 && hard_label_weight <= 1.0, op,
+                    ": hard_label_weight must be in [0, 1], got ", num(hard_label_weight));
+  for (const auto& [prefix, scale, cap] :
+       {std::make_tuple("", logit_scale, softcap), std::make_tuple("teacher_", teacher_logit_scale, teacher_softcap)}) {
+    TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.0, op, ": ", prefix,
+                      "logit_scale must be positive and finite, got ", num(scale));
+    TORCH_CHECK_VALUE(!cap || (std::isfinite(*cap) && *cap > 0.0), op, ": ", prefix,
+                      "softcap must be positive and finite, got ", num(cap.value_or(0.0)));
+  }
+}
+
+LossOptions distillation_options(FUSED_CE_PARAM_LIST(FUSED_CE_DISTILLATION_OPTIONS)) {
+  LossOptions o;
+  o.caller = "linear_distillation_loss";
+  o.distillation = true;
+  o.lse_of_ignored_rows = false;
+#define FUSED_CE_ASSIGN_ITEM(cpp_type, name, ...) o.name = detail::Stored<cpp_type>::type(name);
+  FUSED_CE_DISTILLATION_OPTIONS(FUSED_CE_ASSIGN_ITEM)
+#undef FUSED_CE_ASSIGN_ITEM
+  o.check();
+  return o;
 }
 
 LossOptions LossOptions::from_ivalues(c10::ArrayRef<c10::IValue> v) {

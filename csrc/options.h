@@ -106,6 +106,12 @@
           FUSED_CE_OPTION_logit_scale(X) FUSED_CE_OPTION_teacher_softcap(X) FUSED_CE_OPTION_teacher_logit_scale(X) \
               FUSED_CE_OPTION_return_entropy(X) FUSED_CE_OPTION_workspace_bytes(X) FUSED_CE_SHARD_OPTIONS(X)
 
+// The teacher's options of linear_distillation_loss beyond the loss's (LossOptions' fields, at their defaults in
+// every other op's options).
+#define FUSED_CE_TEACHER_OPTIONS(X)                                                           \
+  FUSED_CE_OPTION_beta(X) FUSED_CE_OPTION_temperature(X) FUSED_CE_OPTION_hard_label_weight(X) \
+      FUSED_CE_OPTION_teacher_softcap(X) FUSED_CE_OPTION_teacher_logit_scale(X)
+
 // Every option, in the internal ops' order.
 #define FUSED_CE_ALL_OPTIONS(X) \
   FUSED_CE_LOSS_OPTIONS(X) FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_SHARD_OPTIONS(X) FUSED_CE_CALLER_OPTIONS(X)
@@ -165,16 +171,21 @@ struct LossOptions {
 #define FUSED_CE_FIELD_ITEM(cpp_type, name, schema_type, default) \
   detail::Stored<cpp_type>::type name{cpp_type(default)};
   FUSED_CE_ALL_OPTIONS(FUSED_CE_FIELD_ITEM)
+  FUSED_CE_TEACHER_OPTIONS(FUSED_CE_FIELD_ITEM)
 #undef FUSED_CE_FIELD_ITEM
   Reduction reduction_kind = Reduction::Mean;  // `reduction` parsed
   // Not an option of a schema: set by linear_policy_loss, whose gradient coefficients have no bound that
   // float16's gradient scale could rely on (plan.cpp).
   bool policy_loss = false;
+  // Set by distillation_options: the teacher's options are checked too, the logit transforms' with the
+  // distillation's own bounds (both heads' logit_scale and softcap positive).
+  bool distillation = false;
 
   // The options of these values, checked (check()).
   static LossOptions parse(FUSED_CE_PARAM_LIST(FUSED_CE_ALL_OPTIONS));
   // Checks every value and sets reduction_kind; errors name the function called (caller) and the argument.
   void check();
+  void check_teacher() const;  // (check's, for distillation)
   // From every option's value in schema order (a boxed call's arguments).
   static LossOptions from_ivalues(c10::ArrayRef<c10::IValue> values);
 
@@ -208,5 +219,8 @@ TemperedLogits at_temperature(const char* op, double temperature, const std::opt
 LossOptions log_prob_options(const char* caller, c10::string_view reduction, const TemperedLogits& tempered,
                              int64_t ignore_index, const std::optional<int64_t>& workspace_bytes, bool entropy,
                              bool argmax FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS));
+
+// The loss options of linear_distillation_loss (its schema's), checked; `caller` linear_distillation_loss.
+LossOptions distillation_options(FUSED_CE_PARAM_LIST(FUSED_CE_DISTILLATION_OPTIONS));
 
 }  // namespace fused_ce

@@ -23,7 +23,11 @@ Plan plan_rows(const Problem& p, const LossOptions& o, const DeviceFacts& device
   plan.counted_rows_only = selected;
   plan.budget_bytes = o.workspace_bytes.value_or(device.cuda ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
   const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
-  if (device.row_kernels(p.N)) {
+  if (p.distills()) {
+    TORCH_CHECK(pass == Pass::Forward || pass == Pass::ForwardWithGrad, "fused_ce: a distillation's passes are ",
+                "the forward and the forward with gradient");
+    plan_distillation(plan, p, o);
+  } else if (device.row_kernels(p.N)) {
     plan_kernels(plan, p, o, selected);
   } else {
     TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
@@ -94,7 +98,7 @@ std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Te
 
 Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device, Pass pass, int64_t counted,
                int64_t kept) {
-  TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar(),
+  TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar() || p.distills(),
                     "linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum' (a scalar loss)");
   if (o.vocab_parallel() && p.V != o.max_shard_rows) {
     // Every rank plans for the largest shard, so that all take the same row blocks (and so the same
@@ -108,7 +112,8 @@ Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device
   // Whether a per-token loss keeps its logits (what the forward's plan reports), decided once, of the problem's
   // own rows (a selection of rows is planned for a call that has decided); the kept passes are told how many.
   const std::optional<c10::SymInt> would_keep =
-      (pass == Pass::Forward || (pass == Pass::ForwardKeepingLogits && kept < 0)) && !p.row_index.defined()
+      (pass == Pass::Forward || (pass == Pass::ForwardKeepingLogits && kept < 0)) && !p.row_index.defined() &&
+              !p.distills()
           ? kept_logit_rows(p.x, p.w, p.target, o, device)
           : std::nullopt;
   const bool keeps = would_keep.has_value();
@@ -127,8 +132,9 @@ Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device
   Problem counted_rows = p;
   counted_rows.N = counted;
   const Plan selected = plan_rows(counted_rows, o, device, pass, /*selected=*/true, kept);
-  // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits)
-  return with_keeps(kept_pass || counted_rows_pay(selected, all, p) ? selected : all);
+  // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits), and so does a
+  // distillation (its rows' cost is the logits of two heads, its dW sums as the blocks go)
+  return with_keeps(kept_pass || p.distills() || counted_rows_pay(selected, all, p) ? selected : all);
 }
 
 std::vector<int64_t> kept_logit_rows_constants() {

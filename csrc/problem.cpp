@@ -29,6 +29,12 @@ Problem Problem::rows(int64_t begin, int64_t end, const at::Tensor& gathered) co
   } else {
     p.x = x.index_select(0, row_index.narrow(0, begin, end - begin));
   }
+  if (teacher.x.defined()) {
+    p.teacher.x = row_index.defined() ? teacher.x.index_select(0, row_index.narrow(0, begin, end - begin))
+                                      : teacher.x.narrow(0, begin, end - begin);
+  }
+  p.teacher.top_indices = slice(teacher.top_indices, begin, end);
+  p.teacher.top_log_probs = slice(teacher.top_log_probs, begin, end);
   p.row_index = at::Tensor();
   p.target = target.narrow(0, begin, end - begin);
   p.target_weight = slice(target_weight, begin, end);
@@ -40,6 +46,8 @@ Problem Problem::row_range(int64_t begin, int64_t end) const {
   if (!row_index.defined()) return rows(begin, end);
   Problem p = *this;
   p.row_index = row_index.narrow(0, begin, end - begin);
+  p.teacher.top_indices = slice(teacher.top_indices, begin, end);
+  p.teacher.top_log_probs = slice(teacher.top_log_probs, begin, end);
   p.target = target.narrow(0, begin, end - begin);
   p.target_weight = slice(target_weight, begin, end);
   p.N = end - begin;
@@ -49,6 +57,8 @@ Problem Problem::row_range(int64_t begin, int64_t end) const {
 Problem Problem::select_rows(const at::Tensor& index) const {
   Problem p = *this;
   p.row_index = row_index.defined() ? row_index.index_select(0, index) : index;
+  p.teacher.top_indices = select(teacher.top_indices, index);  // ([N, k]: small, selected now)
+  p.teacher.top_log_probs = select(teacher.top_log_probs, index);
   p.target = target.index_select(0, index);
   p.target_weight = select(target_weight, index);
   p.N = index.numel();

@@ -15,6 +15,20 @@
 
 namespace fused_ce {
 
+// A distillation's divergence (linear_distillation_loss: distillation.h says what each is).
+enum class Divergence { None, ForwardKL, ReverseKL, JSD, TopK };
+
+// The teacher of a distillation (make_distillation_problem): its head's rows beside the problem's own (selected
+// with them), or its top k classes' log-probabilities. Divergence::None (no teacher) in every other op's problem.
+struct Teacher {
+  Divergence divergence = Divergence::None;
+  at::Tensor x;                           // [N, D_teacher] (the rows of the problem's own x: row_index too)
+  at::Tensor w, bias;                     // [V, D_teacher], [V] or undefined
+  at::Tensor top_indices, top_log_probs;  // offline, instead: [N, k] int64 (global classes), [N, k] loss dtype
+  std::optional<double> softcap;          // its logits' transform
+  double logit_scale = 1.0;
+};
+
 struct Problem {
   // [N, D], any strides; where rows are selected (row_index), the source rows [N_source, D]
   at::Tensor x;
@@ -47,6 +61,9 @@ struct Problem {
   // executors see a vocab_shard(), whose V is linear_weight's rows.
   int64_t N = 0, V = 0, D = 0;
   int64_t col_offset = 0;  // first class of w (a vocabulary slice); targets stay absolute class indices
+  Teacher teacher;         // a distillation's (linear_distillation_loss)
+
+  bool distills() const { return teacher.divergence != Divergence::None; }
 
   // The same problem on rows [begin, end): views, or, for selected rows, their x gathered (contiguous; into
   // `gathered`, [>= end - begin, D] in x's dtype, where given).

@@ -37,6 +37,9 @@ inline int64_t cdiv(int64_t a, int64_t b) {
 // cubin), and the embedded kernels'.
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
 void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
+// A distillation's (Problem::distills) blocks: the distill_rows kernel's over stored logits of both heads
+// (StoredLogits) where the device has the kernels and the heads share a dtype, else ATen's (AtenChunks).
+void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o);
 // The fewest classes of Plan::weight_grad_slice_classes (where the vocabulary has them).
 constexpr int64_t kMinWeightGradSliceClasses = 16;
 

@@ -149,4 +149,20 @@ CountedRows prepare_targets(Problem& p, const LossOptions& o, const DeviceFacts&
   return rows;
 }
 
+void check_teacher_classes(Problem& p, const LossOptions& o) {
+  at::Tensor& idx = p.teacher.top_indices;
+  if (idx.numel() == 0) return;
+  const at::Tensor bad = idx.lt(0).logical_or_(idx.ge(p.V));
+  if (p.x.is_cuda() && stream_capturing(p.x.device())) {
+    const at::Tensor count = bad.sum().to(at::kInt).reshape({1});
+    const at::Tensor targets = p.unreported_bad_targets;
+    tally_captured_bad_targets(p, count);
+    if (targets.defined()) p.unreported_bad_targets = targets + count;
+    idx = at::where(bad, at::zeros({}, idx.options()), idx);
+    return;
+  }
+  TORCH_CHECK_INDEX(!bad.any().item<bool>(), o.caller, ": teacher_top_k holds a class index outside [0, ", num(p.V),
+                    ")");
+}
+
 }  // namespace fused_ce

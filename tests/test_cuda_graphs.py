@@ -1,6 +1,7 @@
 """CUDA graphs: a training step with fused_ce captured and replayed gives eager's results; a bad class index
 under capture is never read out of bounds, turns the replayed loss NaN and is reported by the next call
-outside capture (csrc/problem.cpp, check_on_device); torch.compile(mode="reduce-overhead") matches eager.
+outside capture (csrc/targets.cpp); torch.compile(mode="reduce-overhead") matches eager; linear_distillation_loss
+captured and replayed likewise.
 """
 
 import os
@@ -154,3 +155,92 @@ def test_reduce_overhead_compile_as_the_first_use():
     out = subprocess.run([sys.executable, "-c", REDUCE_OVERHEAD_FIRST, tests], capture_output=True, text=True,
                          cwd=tests)  # fmt: skip
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+# linear_distillation_loss under capture: its targets prepared as every op's (no host read), every row run with the
+# ignored ones weighed 0; the replay equals eager (which runs the counted rows only).
+DISTILLATIONS = {
+    "jsd_mean_hard": dict(beta=0.5, hard_label_weight=0.3, reduction="mean"),
+    "forward_kl_none": dict(reduction="none"),
+    "top_k_sum": dict(top_k=True, reduction="sum", hard_label_weight=0.2),
+}
+
+
+def distillation_inputs(seed, top_k):
+    x, w, t, _ = make_problem(N, D, V, dtype=torch.bfloat16, device="cuda", seed=seed)
+    xt, wt, _, _ = make_problem(N, D // 2, V, dtype=torch.bfloat16, device="cuda", seed=seed + 100)
+    if not top_k:
+        return x, w, t, dict(teacher_input=xt, teacher_weight=wt)
+    values, indices = torch.topk((xt.float() @ wt.float().T).log_softmax(-1), 8)
+    return x, w, t, dict(teacher_top_k=(indices, values))
+
+
+def distillation_step(x, w, t, teacher, options):
+    loss = fused_ce.linear_distillation_loss(x, w, target=t, **teacher, **options)
+    (loss.sum() if loss.dim() else loss).backward()
+    return loss
+
+
+@pytest.mark.parametrize("case", sorted(DISTILLATIONS))
+def test_distillation_capture_and_replay_match_eager(case):
+    options = dict(DISTILLATIONS[case])
+    top_k = options.pop("top_k", False)
+    x, w, t, teacher = distillation_inputs(0, top_k)
+    xs, ws, ts = x.clone().requires_grad_(), w.clone().requires_grad_(), t.clone()
+    static_teacher = {k: (tuple(v.clone() for v in val) if isinstance(val, tuple) else val.clone())
+                      for k, val in teacher.items()}  # fmt: skip
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            xs.grad = ws.grad = None
+            distillation_step(xs, ws, ts, static_teacher, options)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    xs.grad = ws.grad = None
+    with torch.cuda.graph(graph):
+        loss = distillation_step(xs, ws, ts, static_teacher, options)
+    for seed in range(1, 3):
+        x, w, t, teacher = distillation_inputs(seed, top_k)
+        with torch.no_grad():
+            xs.copy_(x)
+            ws.copy_(w)
+            ts.copy_(t)
+            for key, value in teacher.items():
+                for static, fresh in zip(static_teacher[key] if top_k else [static_teacher[key]],
+                                         value if top_k else [value]):  # fmt: skip
+                    static.copy_(fresh)
+        graph.replay()
+        xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+        expected = distillation_step(xe, we, t, teacher, options)
+        for got, want in zip((loss, xs.grad, ws.grad), (expected, xe.grad, we.grad)):
+            assert rel_err(got.float(), want.float()) < 1e-3, (case, seed, rel_err(got.float(), want.float()))
+
+
+def test_distillation_bad_index_under_replay_is_nan_then_an_error():
+    x, w, t, teacher = distillation_inputs(0, top_k=True)
+    xs, ts = x.clone().requires_grad_(), t.clone()
+    indices, values = teacher["teacher_top_k"]
+
+    def step():
+        xs.grad = None
+        loss = fused_ce.linear_distillation_loss(xs, w, target=ts, teacher_top_k=(indices, values))
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    indices[3, 0] = V + 5  # a teacher class out of range: never read, the loss NaN
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(loss).item() and torch.isfinite(xs.grad.float()).all()
+    with pytest.raises(IndexError, match="replayed from a CUDA graph"):
+        fused_ce.linear_cross_entropy(x, w, t)
+    with pytest.raises(IndexError, match="teacher_top_k holds a class index outside"):  # eager checks at once
+        fused_ce.linear_distillation_loss(x, w, target=t, teacher_top_k=(indices, values))

@@ -3,8 +3,8 @@
 A block's raw logits (the products, bias included, in the input dtype: F.linear's rounding) are stored by cuBLAS,
 the student's in ``zs`` and the teacher's in ``zt`` (``has_teacher`` 0: the teacher's top k, no ``zt``). Each
 head's logits are transformed as its model does, ``softcap * tanh(scale * z / softcap)`` (or ``scale * z``), then
-divided by the temperature (``inv_t``). Three stages, each a sweep of the row (csrc/distillation_cuda.cpp runs them,
-combining vocabulary shards between them):
+divided by the temperature (``inv_t``). Three stages, each a sweep of the row (csrc/cuda_stages.cpp launches them
+for csrc/distillation_cuda.cpp, which combines vocabulary shards between them):
 
 - stage 0, the log-sum-exps, each as its row's max (stats[0..2]) and the log of the sum of exp(z - max)
   (stats[3..5]), of the student at T, of the teacher at T, of the student at T = 1 (with ``hard``, the hard
