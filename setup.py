@@ -94,7 +94,8 @@ setup(
         CppExtension(
             "fused_ce._C",
             sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")),
-            include_dirs=[str(ROOT / "csrc")],
+            # build/aot: the kernels' generated argument structs (kernel_args.h, fused_ce/_build/aot.py)
+            include_dirs=[str(ROOT / "csrc"), str(ROOT / "build" / "aot")],
             # no debug info in the released library (it was a quarter of its size); FUSED_CE_WERROR=1 (CI's
             # builds) makes a compiler warning an error
             extra_compile_args=["-O2", "-g0"] + (["-Werror"] if os.environ.get("FUSED_CE_WERROR") else []),

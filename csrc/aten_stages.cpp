@@ -121,8 +121,8 @@ RowStats aten_row_stats(const Problem& p, const StatsRequest& request, int64_t b
   const RowStats s = RowStats::allocate(p, request);
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
-    const Problem chunk = p.rows(r0, r1);
-    s.rows(r0, r1).copy_(stats_of(chunk, logits(chunk, 0, p.V), request));
+    const Problem chunk = p.block(r0, r1);
+    s.block(r0, r1).copy_(stats_of(chunk, logits(chunk, 0, p.V), request));
   }
   return s;
 }

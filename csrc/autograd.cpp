@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scaled_forward_grads(std::optiona
                                                                     const Linear& l, at::Tensor grad_loss,
                                                                     const Mask& mask) {
   variable_list list = used_up ? std::move(*used_up) : recompute();
-  static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(scale_grad_)>();
+  static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(_scale_grad_)>();
   if (!grad_loss.defined()) grad_loss = at::zeros({}, l.input.options().dtype(at::kFloat));
   const std::array<at::ScalarType, 3> dtypes{l.input.scalar_type(), l.weight.scalar_type(),
                                              l.bias.defined() ? l.bias.scalar_type() : at::kFloat};
@@ -109,7 +109,7 @@ struct CrossEntropyOp : torch::CustomClassHolder {
       f.outputs = with_grad(l, needs, &f.used_up);
     } else {
       static auto op = op_handle("fused_ce::_linear_cross_entropy_keeping_logits")
-                           .typed<decltype(linear_cross_entropy_keeping_logits)>();
+                           .typed<decltype(_linear_cross_entropy_keeping_logits)>();
       auto [loss, lse, entropy, argmax, logits] = o.apply([&](auto... options) {
         return op.call(l.input, l.weight, target(), optional(l.bias), weight(), options...);
       });
@@ -139,7 +139,7 @@ struct CrossEntropyOp : torch::CustomClassHolder {
     if (!grad_loss.defined()) grad_loss = o.scalar() ? at::zeros({}, lse.options()) : at::zeros_like(lse);
     if (used_up && !gradients_in_forward(l.input)) {  // the kept logits, which become their gradient
       static auto op = op_handle("fused_ce::_linear_cross_entropy_backward_from_logits")
-                           .typed<decltype(linear_cross_entropy_backward_from_logits)>();
+                           .typed<decltype(_linear_cross_entropy_backward_from_logits)>();
       at::Tensor& logits = (*used_up)[0];
       return o.apply([&](auto... options) {
         return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), logits, l.input, l.weight, target(),
@@ -200,15 +200,15 @@ struct PolicyLossOp : torch::CustomClassHolder {
 AllOutputs call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                         const LossOptions& o) {
-  static auto op = op_handle("fused_ce::_linear_cross_entropy").typed<decltype(linear_cross_entropy_all)>();
+  static auto op = op_handle("fused_ce::_linear_cross_entropy").typed<decltype(_linear_cross_entropy)>();
   return o.apply(
       [&](auto... options) { return op.call(input, linear_weight, target, linear_bias, weight, options...); });
 }
 
-AllOutputs linear_cross_entropy_all_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
-                                             const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
-                                             const std::optional<at::Tensor>& weight
-                                                 FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+AllOutputs _linear_cross_entropy_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
+                                          const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                          const std::optional<at::Tensor>& weight
+                                              FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
   LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   const std::string function(o.caller);
   check_not_differentiable(function.c_str(), "weight", weight, " (class weights)");
@@ -222,7 +222,7 @@ AllOutputs linear_cross_entropy_all_autograd(const at::Tensor& input, const at::
   return {out[0], out[1], out[2], out[3]};
 }
 
-void scale_grad_(const at::Tensor& grad, const at::Tensor& scale) {
+void _scale_grad_(const at::Tensor& grad, const at::Tensor& scale) {
   TORCH_CHECK(scale.numel() == 1, "fused_ce::_scale_grad_: scale must hold one value, got shape ",
               shape(scale.sizes()));
   TORCH_CHECK(scale.device() == grad.device() || (scale.is_cpu() && scale.dim() == 0),

@@ -21,14 +21,14 @@ AllOutputs call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight
 // fused_ce::_scale_grad_: grad *= scale in place, for gradients computed in the forward; on CUDA a kernel
 // (cuda_scale_) that reads scale on the device, so `loss.backward()` costs no pass and no synchronisation;
 // elsewhere a multiply.
-void scale_grad_(const at::Tensor& grad, const at::Tensor& scale);
+void _scale_grad_(const at::Tensor& grad, const at::Tensor& scale);
 
 // The Autograd kernels of _linear_cross_entropy (linear_cross_entropy's: public_loss, loss.h) and
 // linear_policy_loss.
-AllOutputs linear_cross_entropy_all_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
-                                             const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
-                                             const std::optional<at::Tensor>& weight
-                                                 FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
+AllOutputs _linear_cross_entropy_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
+                                          const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                          const std::optional<at::Tensor>& weight
+                                              FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
 PolicyOutputs linear_policy_loss_autograd(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
     const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,

@@ -59,10 +59,10 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
     if (need_b) add_column_sums(g.bias.narrow(0, v0, pt.V), block, ones);
   };
   if (first > 0) {  // the kept rows: whole rows, their dX in one product
-    const Problem pr = stored.rows(0, first);
+    const Problem pr = stored.block(0, first);
     at::Tensor gx_buffer;
     const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, 0, first) : at::Tensor();
-    tile_grads(pr, scaled.rows(0, first), kept.narrow(0, 0, first), gx, pr.x, 0, 0);
+    tile_grads(pr, scaled.block(0, first), kept.narrow(0, 0, first), gx, pr.x, 0, 0);
     if (need_x) scatter_input_grad(p, g.input, gx, 0);
   }
   if (first == p.N) return g;
@@ -78,8 +78,8 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
       need_x && !sliced && p.row_index.defined() ? workspace.take({rows, p.D}, p.x.options()) : at::Tensor();
   for (int64_t r0 = first; r0 < p.N; r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
-    const Problem pr = stored.rows(r0, r1, gathered);
-    const GradCoefficients cr = scaled.rows(r0, r1);
+    const Problem pr = stored.block(r0, r1, gathered);
+    const GradCoefficients cr = scaled.block(r0, r1);
     const at::Tensor gx = !need_x  ? at::Tensor()
                           : sliced ? gx_sums.narrow(0, 0, r1 - r0)
                                    : input_grad_rows(p, g.input, gx_buffer, r0, r1);
@@ -161,8 +161,8 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
   }
   for (int64_t r0 = 0; r0 < p.N && (need_x || need_w || need_b); r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
-    const Problem pr = p.rows(r0, r1);
-    const GradCoefficients cr = c.rows(r0, r1);
+    const Problem pr = p.block(r0, r1);
+    const GradCoefficients cr = c.block(r0, r1);
     const at::Tensor x = pr.x.to(gemm_dtype);
     const at::Tensor gx = need_x ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
     for (int64_t v0 = 0; v0 < p.V; v0 += plan.tile_cols) {

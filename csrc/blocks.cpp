@@ -27,9 +27,9 @@ RowStats stats_from_stored_logits(const Problem& p, const LossOptions& o, const 
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
     at::Tensor logits = buffer.narrow(0, kept.defined() ? r0 : 0, r1 - r0);  // (kept: every row's place)
-    const Problem pr = stored.rows(r0, r1);
+    const Problem pr = stored.block(r0, r1);
     logits_into(pr, logits, plan.logits_scale);
-    cuda_stats_from_logits(pr, logits, s.rows(r0, r1));
+    cuda_stats_from_logits(pr, logits, s.block(r0, r1));
   }
   return s;
 }

@@ -51,7 +51,7 @@ at::Tensor shaped_loss(const Problem& run, const LossOptions& o, const Plan& pla
   return o.scalar() ? loss : loss.reshape(target_shape);
 }
 
-// The rows a call that keeps its logits runs on, in the order of the kept rows (linear_cross_entropy_keeping_logits):
+// The rows a call that keeps its logits runs on, in the order of the kept rows (_linear_cross_entropy_keeping_logits):
 // the counted ones where their count is read, every row (counted ones first) under CUDA graph capture, where it
 // is not. The forward and the backward find the same order from the same targets, so that the backward reads the
 // forward's rows whichever of the two was captured (rows it finds beyond those the forward computed have no
@@ -121,28 +121,28 @@ void Call::prepare(Pass pass, const Targets& targets, int64_t kept, bool every_r
   }
   if (problem.teacher.top_indices.defined()) check_teacher_classes(problem, options);
   if (kept_pass) {
-    rows = kept_rows(problem, prepared);
-    run = kept_run(problem, prepared, rows);
+    counted_rows = kept_rows(problem, prepared);
+    run = kept_run(problem, prepared, counted_rows);
     plan = make_plan(run, options, device, pass, -1, kept);
   } else {
-    rows = prepared;
-    plan = make_plan(problem, options, device, pass, every_row ? -1 : rows.counted);
-    run = plan.counted_rows_only ? problem.select_rows(rows.counted_index()) : problem;
+    counted_rows = prepared;
+    plan = make_plan(problem, options, device, pass, every_row ? -1 : counted_rows.counted);
+    run = plan.counted_rows_only ? problem.select_rows(counted_rows.counted_index()) : problem;
   }
 }
 
 GradCoefficients Call::of_run(const GradCoefficients& c) const {
-  return run.row_index.defined() ? c.select_rows(rows.counted_index()) : c;
+  return run.row_index.defined() ? c.select_rows(counted_rows.counted_index()) : c;
 }
 
 std::optional<at::Tensor> Call::of_run(const std::optional<at::Tensor>& t) const {
   if (!t || !t->defined()) return std::nullopt;
   const at::Tensor flat = t->reshape({problem.N});
-  return run.row_index.defined() ? flat.index_select(0, rows.counted_index()) : flat;
+  return run.row_index.defined() ? flat.index_select(0, counted_rows.counted_index()) : flat;
 }
 
 at::Tensor Call::loss(const RowStats& run_stats) const {
-  return flag_bad_targets(problem, shaped_loss(run, options, plan, run_stats, rows, problem.N, target_shape_));
+  return flag_bad_targets(problem, shaped_loss(run, options, plan, run_stats, counted_rows, problem.N, target_shape_));
 }
 
 at::Tensor Call::flagged(const at::Tensor& loss) const {
@@ -154,12 +154,12 @@ at::Tensor Call::per_target(const at::Tensor& run_rows) const {
   shape.insert(shape.end(), target_shape_.begin(), target_shape_.end());
   if (!plan.counted_rows_only) return run_rows.reshape(shape);
   at::Tensor all = at::zeros({run_rows.size(0), problem.N}, run_rows.options());
-  return all.index_copy_(1, rows.counted_index(), run_rows).reshape(shape);
+  return all.index_copy_(1, counted_rows.counted_index(), run_rows).reshape(shape);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::outputs(const RowStats& run_stats) const {
   return fused_ce::outputs(
-      problem, plan.counted_rows_only ? every_row(problem, options, plan.device, rows, run_stats) : run_stats,
+      problem, plan.counted_rows_only ? every_row(problem, options, plan.device, counted_rows, run_stats) : run_stats,
       target_shape_);
 }
 

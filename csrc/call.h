@@ -46,8 +46,8 @@ class Call {
        const at::Tensor& input, at::ScalarType weight_dtype);
 
   const LossOptions options;
-  Problem problem;   // every row
-  CountedRows rows;  // which rows count, in the executors' order (the kept order for the kept passes)
+  Problem problem;           // every row
+  CountedRows counted_rows;  // which rows count, in the executors' order (the kept order for the kept passes)
   Plan plan;
   Problem run;  // the rows the executors take: the counted ones where the plan says so (or the kept order)
 

@@ -198,6 +198,20 @@ const char* cuda_kernel_dtype(at::ScalarType t) {
   }
 }
 
+const at::Tensor& pointee(const LaunchArg<at::Tensor>& arg, const char* type, const KernelVariant& variant,
+                          const char* kernel, const char* name) {
+  const at::Tensor& t = arg.get(kernel, name);
+  if (!t.defined()) return t;
+  const char* held = cuda_kernel_dtype(t.scalar_type());
+  const char* wanted = std::strcmp(type, "*T") == 0 ? variant.dtype : type + 1;
+  const bool fits = std::strcmp(wanted, "i64") == 0   ? t.scalar_type() == at::kLong
+                    : std::strcmp(wanted, "i32") == 0 ? t.scalar_type() == at::kInt
+                                                      : held != nullptr && std::strcmp(held, wanted) == 0;
+  TORCH_CHECK(fits, "fused_ce: ", kernel, " argument ", name, " points to ", wanted, " but is given a ",
+              c10::toString(t.scalar_type()), " tensor");
+  return t;
+}
+
 const KernelVariant* find_variant(const char* kernel, const char* dtype, const char* layout, int arch) {
   const KernelVariant* best = nullptr;
   for (int i = 0; i < kNumKernelVariants; ++i) {

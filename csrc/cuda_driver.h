@@ -8,7 +8,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_table.h"
@@ -45,6 +48,48 @@ class KernelArgs {
   std::vector<Arg> args_;
 };
 
+// A field of a kernel's generated argument struct (kernel_args.h, from its SPEC): assigned once, from a value of
+// exactly its type T (or `Also`: a flag's bool for an i32), any other type (an int64_t for an i32, a double for an
+// fp32) a compile error; read at launch, where one never assigned is an error naming it.
+template <typename T, typename Also = T>
+class LaunchArg {
+ public:
+  LaunchArg& operator=(const T& value) {
+    value_ = value;
+    return *this;
+  }
+  template <typename U, std::enable_if_t<std::is_same_v<U, Also> && !std::is_same_v<U, T>, int> = 0>
+  LaunchArg& operator=(U value) {
+    value_ = static_cast<T>(value);
+    return *this;
+  }
+  template <typename U, std::enable_if_t<!std::is_same_v<U, T> && !std::is_same_v<U, Also>, int> = 0>
+  LaunchArg& operator=(U) = delete;
+  const T& get(const char* kernel, const char* name) const {
+    TORCH_CHECK(value_.has_value(), "fused_ce: a launch of ", kernel, " without its argument ", name);
+    return *value_;
+  }
+
+ private:
+  std::optional<T> value_;
+};
+
+// A pointer argument's tensor (kernel_args.h), checked to hold the elements of its SPEC type (`type`: "*T" the
+// variant's dtype, "*fp32", "*i64", "*i32"); an undefined tensor passes (a null pointer).
+const at::Tensor& pointee(const LaunchArg<at::Tensor>& arg, const char* type, const KernelVariant& variant,
+                          const char* kernel, const char* name);
+
+// The grid expressions' arithmetic (kernel_args.h).
+inline int64_t launch_cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+inline int64_t launch_min(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+inline int64_t launch_max(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+
 // Compute capability of a CUDA device as major * 10 + minor.
 int device_arch(int device_index);
 int device_sm_count(int device_index);
@@ -69,5 +114,13 @@ at::Tensor driver_allocated_counter(const at::Device& device);
 
 // Launch `variant` with a 1-D grid on torch's current stream of `device`.
 void launch(const KernelVariant& variant, const at::Device& device, int64_t grid, const KernelArgs& args);
+// The same from a kernel's generated argument struct (kernel_args.h): its arguments packed and its SPEC's grid
+// (`programs`: a grid-stride kernel's cap). `variant` must be one of that kernel's (or its flavors').
+template <typename Args>
+void launch(const KernelVariant& variant, const at::Device& device, const Args& args, int64_t programs = 0) {
+  TORCH_CHECK(std::strncmp(variant.kernel, Args::kKernel, std::strlen(Args::kKernel)) == 0,
+              "fused_ce: ", variant.kernel, " launched with the arguments of ", Args::kKernel);
+  launch(variant, device, args.grid(variant, programs), args.pack(variant));
+}
 
 }  // namespace fused_ce

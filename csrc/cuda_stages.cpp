@@ -10,6 +10,7 @@
 
 #include "cuda_driver.h"
 #include "format.h"
+#include "kernel_args.h"
 
 namespace fused_ce {
 
@@ -63,24 +64,24 @@ int64_t cdiv(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-KernelArgs common_args(const Problem& p) {
-  KernelArgs a;
-  a.ptr("x_ptr", p.x)
-      .ptr("w_ptr", p.w)
-      .ptr("b_ptr", p.bias)
-      .ptr("cw_ptr", p.class_weight)
-      .ptr("tgt_ptr", p.target)
-      .i64("D", p.D)
-      .i64("stride_xn", p.x.stride(0))
-      .i64("stride_xd", p.x.stride(1))
-      .i64("stride_wv", p.w.stride(0))
-      .i64("stride_wd", p.w.stride(1))
-      .f32("logit_scale", static_cast<float>(p.logit_scale))
-      .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
-      .i32("has_bias", p.bias.defined())
-      .i32("has_class_weight", p.class_weight.defined())
-      .i32("has_softcap", p.softcap.has_value());
-  return a;
+// The x and w parameters of the tl.dot kernels (spec.py, XW_PARAMS and the rest of their common list).
+template <typename Args>
+void set_xw(Args& a, const Problem& p) {
+  a.x_ptr = p.x;
+  a.w_ptr = p.w;
+  a.b_ptr = p.bias;
+  a.cw_ptr = p.class_weight;
+  a.tgt_ptr = p.target;
+  a.D = p.D;
+  a.stride_xn = p.x.stride(0);
+  a.stride_xd = p.x.stride(1);
+  a.stride_wv = p.w.stride(0);
+  a.stride_wd = p.w.stride(1);
+  a.logit_scale = static_cast<float>(p.logit_scale);
+  a.softcap = static_cast<float>(p.softcap.value_or(1.0));
+  a.has_bias = p.bias.defined();
+  a.has_class_weight = p.class_weight.defined();
+  a.has_softcap = p.softcap.has_value();
 }
 
 }  // namespace
@@ -112,20 +113,21 @@ RowStats cuda_row_stats(const Problem& p, const StatsRequest& request) {
 
   at::Tensor partial = at::empty({5, splits, p.N}, p.x.options().dtype(at::kFloat));
   const at::Tensor arg = request.argmax ? at::empty({splits, p.N}, p.target.options()) : at::Tensor();
-  KernelArgs args = common_args(p);
-  args.ptr("m_ptr", partial[0])
-      .ptr("s_ptr", partial[1])
-      .ptr("zt_ptr", partial[2])
-      .ptr("wz_ptr", partial[3])
-      .ptr("t_ptr", partial[4])
-      .ptr("am_ptr", arg)
-      .i64("N", p.N)
-      .i64("V", p.V)
-      .i64("cols_per_split", cols_per_split)
-      .i32("has_smoothing", request.weighted_sums)
-      .i32("has_entropy", request.entropy)
-      .i32("has_argmax", request.argmax);
-  launch(v, p.x.device(), row_tiles * splits, args);
+  RowStatsArgs args;
+  set_xw(args, p);
+  args.m_ptr = partial[0];
+  args.s_ptr = partial[1];
+  args.zt_ptr = partial[2];
+  args.wz_ptr = partial[3];
+  args.t_ptr = partial[4];
+  args.am_ptr = arg;
+  args.N = p.N;
+  args.V = p.V;
+  args.cols_per_split = cols_per_split;
+  args.has_smoothing = request.weighted_sums;
+  args.has_entropy = request.entropy;
+  args.has_argmax = request.argmax;
+  launch(v, p.x.device(), args);
 
   return combine_row_stat_splits(partial, arg, p.target, request);
 }
@@ -138,21 +140,22 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
   // have no coefficient, whatever their target)
   Problem columns = p;
   if (p.col_offset != 0) columns.target = p.target - p.col_offset;
-  KernelArgs args = common_args(columns);
-  args.ptr("lse_ptr", c.lse)
-      .ptr("alpha_ptr", c.alpha)
-      .ptr("alpha_lse_ptr", c.alpha_lse)
-      .ptr("beta_ptr", c.beta)
-      .ptr("gamma_ptr", c.gamma)
-      .ptr("alpha_z_ptr", c.alpha_z)
-      .ptr("g_ptr", out)
-      .i64("N", p.N)
-      .i64("v_begin", v_begin)
-      .i64("v_end", v_end)
-      .i64("stride_gn", out.stride(0))
-      .i32("has_smoothing", c.gamma.defined())
-      .i32("has_alpha_z", c.alpha_z.defined());
-  launch(v, p.x.device(), cdiv(p.N, v.block_n) * cdiv(v_end - v_begin, v.block_v), args);
+  LogitGradArgs args;
+  set_xw(args, columns);
+  args.lse_ptr = c.lse;
+  args.alpha_ptr = c.alpha;
+  args.alpha_lse_ptr = c.alpha_lse;
+  args.beta_ptr = c.beta;
+  args.gamma_ptr = c.gamma;
+  args.alpha_z_ptr = c.alpha_z;
+  args.g_ptr = out;
+  args.N = p.N;
+  args.v_begin = v_begin;
+  args.v_end = v_end;
+  args.stride_gn = out.stride(0);
+  args.has_smoothing = c.gamma.defined();
+  args.has_alpha_z = c.alpha_z.defined();
+  launch(v, p.x.device(), args);
 }
 
 namespace {
@@ -188,45 +191,46 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
   const at::Tensor partials = at::empty({request.entropy ? 4 : 3, p.N, segments}, p.x.options().dtype(at::kFloat));
   const at::Tensor arg = request.argmax ? at::empty({p.N, segments}, p.target.options()) : at::Tensor();
   const at::Tensor entropy_partials = request.entropy ? partials[3] : at::Tensor();
-  const auto transform = [&](KernelArgs& a) -> KernelArgs& {
-    return a.ptr("logits_ptr", logits)
-        .ptr("pe_ptr", entropy_partials)
-        .ptr("pa_ptr", arg)
-        .i64("stride_ln", logits.stride(0))
-        .i64("segments", segments)
-        .f32("logit_scale", static_cast<float>(p.logit_scale))
-        .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
-        .i32("has_softcap", p.softcap.has_value())
-        .i32("has_smoothing", request.weighted_sums)
-        .i32("has_entropy", request.entropy)
-        .i32("has_argmax", request.argmax);
+  // the parameters the two kernels share
+  const auto transform = [&](auto& a) {
+    a.logits_ptr = logits;
+    a.pe_ptr = entropy_partials;
+    a.pa_ptr = arg;
+    a.stride_ln = logits.stride(0);
+    a.segments = segments;
+    a.logit_scale = static_cast<float>(p.logit_scale);
+    a.softcap = static_cast<float>(p.softcap.value_or(1.0));
+    a.has_softcap = p.softcap.has_value();
+    a.has_smoothing = request.weighted_sums;
+    a.has_entropy = request.entropy;
+    a.has_argmax = request.argmax;
   };
-  KernelArgs partial_args;
-  transform(partial_args)
-      .ptr("cw_ptr", p.class_weight)
-      .ptr("pm_ptr", partials[0])
-      .ptr("ps_ptr", partials[1])
-      .ptr("pw_ptr", partials[2])
-      .i64("N", p.N)
-      .i64("V", p.V)
-      .i32("has_class_weight", p.class_weight.defined());
-  launch(tiles, p.x.device(), cdiv(p.N, tiles.block_n) * segments, partial_args);
+  LogitPartialsArgs partial_args;
+  transform(partial_args);
+  partial_args.cw_ptr = p.class_weight;
+  partial_args.pm_ptr = partials[0];
+  partial_args.ps_ptr = partials[1];
+  partial_args.pw_ptr = partials[2];
+  partial_args.N = p.N;
+  partial_args.V = p.V;
+  partial_args.has_class_weight = p.class_weight.defined();
+  launch(tiles, p.x.device(), partial_args);
 
   const KernelVariant& combine = *select(extras ? "combine_partials_extras" : "combine_partials", p, &logits);
-  KernelArgs combine_args;
-  transform(combine_args)
-      .ptr("pm_ptr", partials[0])
-      .ptr("ps_ptr", partials[1])
-      .ptr("pw_ptr", partials[2])
-      .ptr("tgt_ptr", p.target)
-      .ptr("lse_ptr", out.lse)
-      .ptr("gap_ptr", out.target_gap)
-      .ptr("ls_ptr", out.log_sum)
-      .ptr("wz_ptr", out.weighted_z_sum)
-      .ptr("ent_ptr", out.entropy)
-      .ptr("am_ptr", out.argmax)
-      .i64("N", p.N);
-  launch(combine, p.x.device(), cdiv(p.N, combine.block_n), combine_args);
+  CombinePartialsArgs combine_args;
+  transform(combine_args);
+  combine_args.pm_ptr = partials[0];
+  combine_args.ps_ptr = partials[1];
+  combine_args.pw_ptr = partials[2];
+  combine_args.tgt_ptr = p.target;
+  combine_args.lse_ptr = out.lse;
+  combine_args.gap_ptr = out.target_gap;
+  combine_args.ls_ptr = out.log_sum;
+  combine_args.wz_ptr = out.weighted_z_sum;
+  combine_args.ent_ptr = out.entropy;
+  combine_args.am_ptr = out.argmax;
+  combine_args.N = p.N;
+  launch(combine, p.x.device(), combine_args);
 }
 
 void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
@@ -236,27 +240,27 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
   const KernelVariant& v = stored_logits_flavor(c.alpha_z.defined() ? "softmax_grad_entropy" : "softmax_grad",
                                                 p.softcap.has_value() || smoothing, p, logits);
   const int64_t segments = cdiv(p.V, v.block_v);
-  KernelArgs args;
-  args.ptr("logits_ptr", logits)
-      .ptr("cw_ptr", p.class_weight)
-      .ptr("tgt_ptr", p.target)
-      .ptr("lse_ptr", lse)
-      .ptr("alpha_ptr", c.alpha)
-      .ptr("alpha_lse_ptr", c.alpha_lse)
-      .ptr("beta_ptr", c.beta)
-      .ptr("gamma_ptr", c.gamma)
-      .ptr("alpha_z_ptr", c.alpha_z)
-      .i64("N", p.N)
-      .i64("V", p.V)
-      .i64("stride_ln", logits.stride(0))
-      .i64("segments", segments)
-      .i64("col_offset", p.col_offset)
-      .f32("logit_scale", static_cast<float>(p.logit_scale))
-      .f32("softcap", static_cast<float>(p.softcap.value_or(1.0)))
-      .i32("has_class_weight", p.class_weight.defined())
-      .i32("has_softcap", p.softcap.has_value())
-      .i32("has_smoothing", smoothing);
-  launch(v, p.x.device(), cdiv(p.N, v.block_n) * segments, args);
+  SoftmaxGradArgs args;
+  args.logits_ptr = logits;
+  args.cw_ptr = p.class_weight;
+  args.tgt_ptr = p.target;
+  args.lse_ptr = lse;
+  args.alpha_ptr = c.alpha;
+  args.alpha_lse_ptr = c.alpha_lse;
+  args.beta_ptr = c.beta;
+  args.gamma_ptr = c.gamma;
+  args.alpha_z_ptr = c.alpha_z;
+  args.N = p.N;
+  args.V = p.V;
+  args.stride_ln = logits.stride(0);
+  args.segments = segments;
+  args.col_offset = p.col_offset;
+  args.logit_scale = static_cast<float>(p.logit_scale);
+  args.softcap = static_cast<float>(p.softcap.value_or(1.0));
+  args.has_class_weight = p.class_weight.defined();
+  args.has_softcap = p.softcap.has_value();
+  args.has_smoothing = smoothing;
+  launch(v, p.x.device(), args);
 }
 
 at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit,
@@ -272,28 +276,28 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOpt
   const at::Tensor coef = unit != nullptr ? at::empty({4, p.N}, f32) : at::Tensor();
   const auto row = [&](int i) { return coef.defined() ? coef[i] : at::Tensor(); };
   if (order != nullptr) *order = at::empty({p.N}, target.options());
-  KernelArgs args;
-  args.ptr("tgt_ptr", target)
-      .ptr("cw_ptr", p.class_weight)
-      .ptr("tgt_out_ptr", p.target)
-      .ptr("wt_ptr", p.target_weight)
-      .ptr("totals_ptr", p.totals)
-      .ptr("counts_ptr", counts)
-      .ptr("alpha_ptr", row(0))
-      .ptr("alpha_lse_ptr", row(1))
-      .ptr("beta_ptr", row(2))
-      .ptr("gamma_ptr", row(3))
-      .ptr("order_ptr", order != nullptr ? *order : at::Tensor())
-      .i64("N", p.N)
-      .i64("V", p.V)
-      .i64("ignore_index", o.ignore_index)
-      .f32("label_smoothing", static_cast<float>(o.label_smoothing))
-      .f32("z_loss", static_cast<float>(o.z_loss))
-      .i32("has_class_weight", p.class_weight.defined())
-      .i32("mean", o.reduction_kind == Reduction::Mean)
-      .i32("write_coefficients", unit != nullptr)
-      .i32("write_order", order != nullptr);
-  launch(v, p.x.device(), 1, args);
+  PrepareRowsArgs args;
+  args.tgt_ptr = target;
+  args.cw_ptr = p.class_weight;
+  args.tgt_out_ptr = p.target;
+  args.wt_ptr = p.target_weight;
+  args.totals_ptr = p.totals;
+  args.counts_ptr = counts;
+  args.alpha_ptr = row(0);
+  args.alpha_lse_ptr = row(1);
+  args.beta_ptr = row(2);
+  args.gamma_ptr = row(3);
+  args.order_ptr = order != nullptr ? *order : at::Tensor();
+  args.N = p.N;
+  args.V = p.V;
+  args.ignore_index = o.ignore_index;
+  args.label_smoothing = static_cast<float>(o.label_smoothing);
+  args.z_loss = static_cast<float>(o.z_loss);
+  args.has_class_weight = p.class_weight.defined();
+  args.mean = o.reduction_kind == Reduction::Mean;
+  args.write_coefficients = unit != nullptr;
+  args.write_order = order != nullptr;
+  launch(v, p.x.device(), args);
   // gamma only with label smoothing (GradCoefficients)
   if (unit != nullptr)
     *unit = GradCoefficients{at::Tensor(), row(0), row(1), row(2), o.smoothing() ? row(3) : at::Tensor(), at::Tensor()};
@@ -307,22 +311,22 @@ at::Tensor cuda_assemble_loss(const Problem& p, const RowStats& s, const LossOpt
   const at::Tensor lse = f32(s.lse), gap = f32(s.target_gap), log_sum = f32(s.log_sum), wz = f32(s.weighted_z_sum);
   TORCH_CHECK(!o.smoothing() || wz.defined(), "fused_ce: label smoothing needs the weighted logit sums");
   at::Tensor loss = at::empty({o.scalar() ? 1 : p.N}, p.x.options().dtype(at::kFloat));
-  KernelArgs args;
-  args.ptr("lse_ptr", lse)
-      .ptr("gap_ptr", gap)
-      .ptr("ls_ptr", log_sum)
-      .ptr("wz_ptr", wz)
-      .ptr("tgt_ptr", p.target)
-      .ptr("wt_ptr", p.target_weight)
-      .ptr("totals_ptr", p.totals)
-      .ptr("loss_ptr", loss)
-      .i64("N", p.N)
-      .i64("V", p.V)
-      .f32("label_smoothing", static_cast<float>(o.label_smoothing))
-      .f32("z_loss", static_cast<float>(o.z_loss))
-      .i32("has_smoothing", o.smoothing())
-      .i32("reduction", static_cast<int>(o.reduction_kind));
-  launch(v, p.x.device(), 1, args);
+  AssembleLossArgs args;
+  args.lse_ptr = lse;
+  args.gap_ptr = gap;
+  args.ls_ptr = log_sum;
+  args.wz_ptr = wz;
+  args.tgt_ptr = p.target;
+  args.wt_ptr = p.target_weight;
+  args.totals_ptr = p.totals;
+  args.loss_ptr = loss;
+  args.N = p.N;
+  args.V = p.V;
+  args.label_smoothing = static_cast<float>(o.label_smoothing);
+  args.z_loss = static_cast<float>(o.z_loss);
+  args.has_smoothing = o.smoothing();
+  args.reduction = static_cast<int>(o.reduction_kind);
+  launch(v, p.x.device(), args);
   return loss;
 }
 
@@ -333,10 +337,12 @@ bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale) {
   }
   const KernelVariant* v = select_elementwise("scale", grad);
   if (v == nullptr) return false;
-  KernelArgs args;
-  args.ptr("g_ptr", grad).ptr("scale_ptr", scale).i64("numel", grad.numel());
+  ScaleArgs args;
+  args.g_ptr = grad;
+  args.scale_ptr = scale;
+  args.numel = grad.numel();
   const int64_t programs = 4 * int64_t{device_sm_count(grad.device().index())};
-  launch(*v, grad.device(), std::clamp<int64_t>(cdiv(grad.numel(), v->block_v), 1, programs), args);
+  launch(*v, grad.device(), args, programs);
   return true;
 }
 
@@ -350,31 +356,31 @@ void cuda_distill_rows(DistillSweep sweep, const Problem& p, const LossOptions& 
   TORCH_CHECK(v != nullptr, o.caller, ": no distill_rows kernel for sm_", num(arch));
   const at::Tensor& zt = b.zt.defined() ? b.zt : b.zs;  // (not read without the teacher's head)
   const Teacher& t = p.teacher;
-  KernelArgs args;
-  args.ptr("zs_ptr", b.zs)
-      .ptr("zt_ptr", zt)
-      .ptr("stats_ptr", b.stats)
-      .ptr("coef_ptr", b.coef)
-      .ptr("tgt_ptr", b.target)
-      .i64("N", b.zs.size(0))
-      .i64("V", p.V)
-      .i64("stride_s", b.zs.stride(0))
-      .i64("stride_t", zt.stride(0))
-      .f32("inv_t", static_cast<float>(1.0 / o.temperature))
-      .f32("s_scale", static_cast<float>(o.logit_scale))
-      .f32("s_softcap", static_cast<float>(o.softcap.value_or(1.0)))
-      .f32("t_scale", static_cast<float>(t.logit_scale))
-      .f32("t_softcap", static_cast<float>(t.softcap.value_or(1.0)))
-      .f32("log_1mb", static_cast<float>(o.beta < 1.0 ? std::log1p(-o.beta) : 0.0))
-      .f32("log_b", static_cast<float>(o.beta > 0.0 ? std::log(o.beta) : 0.0))
-      .i32("stage", static_cast<int32_t>(sweep))
-      // the kernel's codes: forward KL 0, reverse KL 1, JSD 2, top k 3 (distill_rows.py)
-      .i32("divergence", static_cast<int32_t>(t.divergence) - static_cast<int32_t>(Divergence::ForwardKL))
-      .i32("has_teacher", b.zt.defined())
-      .i32("hard", o.hard_label_weight > 0.0)
-      .i32("has_s_softcap", o.softcap.has_value())
-      .i32("has_t_softcap", t.softcap.has_value());
-  launch(*v, b.zs.device(), b.zs.size(0), args);
+  DistillRowsArgs args;
+  args.zs_ptr = b.zs;
+  args.zt_ptr = zt;
+  args.stats_ptr = b.stats;
+  args.coef_ptr = b.coef;
+  args.tgt_ptr = b.target;
+  args.N = b.zs.size(0);
+  args.V = p.V;
+  args.stride_s = b.zs.stride(0);
+  args.stride_t = zt.stride(0);
+  args.inv_t = static_cast<float>(1.0 / o.temperature);
+  args.s_scale = static_cast<float>(o.logit_scale);
+  args.s_softcap = static_cast<float>(o.softcap.value_or(1.0));
+  args.t_scale = static_cast<float>(t.logit_scale);
+  args.t_softcap = static_cast<float>(t.softcap.value_or(1.0));
+  args.log_1mb = static_cast<float>(o.beta < 1.0 ? std::log1p(-o.beta) : 0.0);
+  args.log_b = static_cast<float>(o.beta > 0.0 ? std::log(o.beta) : 0.0);
+  args.stage = static_cast<int32_t>(sweep);
+  // the kernel's codes: forward KL 0, reverse KL 1, JSD 2, top k 3 (distill_rows.py)
+  args.divergence = static_cast<int32_t>(t.divergence) - static_cast<int32_t>(Divergence::ForwardKL);
+  args.has_teacher = b.zt.defined();
+  args.hard = o.hard_label_weight > 0.0;
+  args.has_s_softcap = o.softcap.has_value();
+  args.has_t_softcap = t.softcap.has_value();
+  launch(*v, b.zs.device(), args);
 }
 
 }  // namespace fused_ce

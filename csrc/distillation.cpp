@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill(c
   const auto acc = call.problem.x.options().dtype(loss_dtype(call.problem));
   // the rows run are the counted ones where their count was read, else (CUDA graph capture) every row, with this
   // mask of the counted ones
-  const at::Tensor counts = call.rows.known() ? at::Tensor() : call.run.target.ge(0).to(acc.dtype());
+  const at::Tensor counts = call.counted_rows.known() ? at::Tensor() : call.run.target.ge(0).to(acc.dtype());
   const auto counted = [&]() { return counts.sum(); };
   std::optional<RowScale> scale;
   if (with_grad) {
@@ -44,16 +44,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill(c
     if (row_scale && row_scale->defined()) {
       TORCH_CHECK_VALUE(row_scale->numel() == call.problem.N, kCaller, ": row_scale must hold one value per row (",
                         num(call.problem.N), "), got ", num(row_scale->numel()));
-      s.rows = call.of_run(row_scale)->to(acc.dtype());
-      if (counts.defined()) s.rows = s.rows * counts;
+      s.per_row = call.of_run(row_scale)->to(acc.dtype());
+      if (counts.defined()) s.per_row = s.per_row * counts;
     } else if (options.reduction_kind == Reduction::Mean) {  // an upstream gradient of 1 on the scalar loss
       if (counts.defined()) {
-        s.rows = counts / counted().clamp_min(1);
+        s.per_row = counts / counted().clamp_min(1);
       } else {
-        s.uniform = 1.0 / static_cast<double>(std::max<int64_t>(call.rows.counted, 1));
+        s.uniform = 1.0 / static_cast<double>(std::max<int64_t>(call.counted_rows.counted, 1));
       }
     } else if (counts.defined()) {
-      s.rows = counts;
+      s.per_row = counts;
     }
     scale = s;
   }
@@ -70,7 +70,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill(c
     case Reduction::None: loss = call.per_target(r.loss.unsqueeze(0))[0]; break;
     case Reduction::Sum: loss = r.loss.sum(); break;
     case Reduction::Mean:  // (no counted row: NaN, as torch's mean)
-      loss = counts.defined() ? r.loss.sum() / counted() : r.loss.sum() / static_cast<double>(call.rows.counted);
+      loss =
+          counts.defined() ? r.loss.sum() / counted() : r.loss.sum() / static_cast<double>(call.counted_rows.counted);
       break;
   }
   const at::Tensor entropy =
@@ -89,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss(
   return {std::get<0>(out), std::get<1>(out)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_distillation_with_grad(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_distillation_with_grad(
     FUSED_CE_DISTILLATION_TENSOR_PARAMS, const OptionalTensor& row_scale,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
   return distill({FUSED_CE_DISTILLATION_TENSOR_ARGS},

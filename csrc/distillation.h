@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss(
 // the student, the gradients asked for in output_mask (else empty), formed from the same logit blocks as the
 // loss, each row's gradient times row_scale (one value per row of input; None: the reduction's own, i.e. an
 // upstream gradient of 1 on a 'mean' or 'sum' loss).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_distillation_with_grad(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_distillation_with_grad(
     FUSED_CE_DISTILLATION_TENSOR_PARAMS, const OptionalTensor& row_scale,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS));
 

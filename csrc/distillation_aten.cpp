@@ -119,14 +119,14 @@ DistillationRows distillation_rows(const Problem& p, const LossOptions& o, const
   const at::NoGradGuard no_grad;
   for (int64_t begin = 0; begin < p.N; begin += plan.block_rows) {
     const int64_t end = std::min(p.N, begin + plan.block_rows);
-    const Problem pr = p.rows(begin, end);
+    const Problem pr = p.block(begin, end);
     Block r = distill_block(pr, o, with_grad);
     out.loss.slice(0, begin, end).copy_(r.loss);
     if (o.return_entropy) out.entropy.slice(0, begin, end).copy_(r.entropy);
     if (!with_grad) continue;
     at::Tensor& grad = r.grad;  // (the block's own: scaled in place)
-    if (scale->rows.defined()) {
-      grad.mul_(scale->rows.slice(0, begin, end).unsqueeze(1));
+    if (scale->per_row.defined()) {
+      grad.mul_(scale->per_row.slice(0, begin, end).unsqueeze(1));
     } else if (scale->uniform != 1.0) {
       grad.mul_(scale->uniform);
     }

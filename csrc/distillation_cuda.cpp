@@ -27,12 +27,12 @@ DistillationRows distillation_rows_from_kernels(const Problem& p, const LossOpti
   Grads& g = out.grads;
   at::Tensor gx_buffer;
   // a scalar loss's factor in the products (alpha), not in the gradient blocks
-  const double alpha = with_grad && !scale->rows.defined() ? scale->uniform : 1.0;
+  const double alpha = with_grad && !scale->per_row.defined() ? scale->uniform : 1.0;
   at::Tensor ones;  // (the bias's column sums)
   const at::NoGradGuard no_grad;
   for (int64_t begin = 0; begin < p.N; begin += plan.block_rows) {
     const int64_t end = std::min(p.N, begin + plan.block_rows), k = end - begin;
-    const Problem pr = p.rows(begin, end);
+    const Problem pr = p.block(begin, end);
     DistillBlock b;
     b.zs = pr.bias.defined() ? at::addmm(pr.bias, pr.x, pr.w.t()) : at::mm(pr.x, pr.w.t());
     if (teacher) {
@@ -87,7 +87,7 @@ DistillationRows distillation_rows_from_kernels(const Problem& p, const LossOpti
     out.loss.slice(0, begin, end).copy_(loss);
     if (o.return_entropy) out.entropy.slice(0, begin, end).copy_(-b.stats[8]);
     if (!with_grad) continue;
-    const at::Tensor row_scale = scale->rows.defined() ? scale->rows.slice(0, begin, end) : at::ones({k}, f32);
+    const at::Tensor row_scale = scale->per_row.defined() ? scale->per_row.slice(0, begin, end) : at::ones({k}, f32);
     // (a top-k row of -inf only has no teacher distribution: no divergence, no gradient from it)
     const at::Tensor c_divergence = row_scale * ((1.0 - o.hard_label_weight) / o.temperature);
     b.coef = at::stack({q_mass.defined() ? c_divergence * q_mass : c_divergence, row_scale * o.hard_label_weight});

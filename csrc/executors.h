@@ -42,8 +42,8 @@ struct CoefficientSource {
   std::function<GradCoefficients(int64_t begin, int64_t end, const RowStats& block)> from_stats;
 
   bool needs_stats() const { return static_cast<bool>(from_stats); }
-  GradCoefficients rows(int64_t begin, int64_t end, const RowStats& block) const {
-    return from_stats ? from_stats(begin, end, block) : fixed.rows(begin, end);
+  GradCoefficients block(int64_t begin, int64_t end, const RowStats& block_stats) const {
+    return from_stats ? from_stats(begin, end, block_stats) : fixed.block(begin, end);
   }
 };
 
@@ -54,12 +54,12 @@ std::pair<RowStats, Grads> forward_with_grad(const Problem& p, const LossOptions
 
 // linear_distillation_loss's rows (a problem with a teacher: Problem::distills; p the vocabulary shard of the
 // rows run): each row's loss and student entropy ([p.N] in the loss dtype; the entropy where asked for) and, with
-// a scale, the student's gradients `need` asks for, of each row's loss times its scale: `rows` ([p.N] in the loss
+// a scale, the student's gradients `need` asks for, of each row's loss times its scale: `per_row` ([p.N] in the loss
 // dtype: a 'none' loss's upstream gradient, 0 at ignored rows run under CUDA graph capture), else `uniform` (a
 // scalar loss's 1 or 1 / K, applied to the products rather than to the half-precision gradient blocks, which it
 // could take below float16's range).
 struct RowScale {
-  at::Tensor rows;
+  at::Tensor per_row;
   double uniform = 1.0;
 };
 struct DistillationRows {

@@ -16,7 +16,7 @@ RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan,
   if (p.N == 0) return RowStats::allocate(p, request);
   switch (plan.strategy) {
     case Strategy::StoredLogits: return stats_from_stored_logits(p, o, plan, plan.block_rows, kept);
-    case Strategy::DotTiles: return cuda_row_stats(p.rows(0, p.N), request);  // (selected rows gathered)
+    case Strategy::DotTiles: return cuda_row_stats(p.block(0, p.N), request);  // (selected rows gathered)
     case Strategy::AtenChunks: return aten_row_stats(p, request, plan.block_rows);
     case Strategy::VocabTiles: break;
   }

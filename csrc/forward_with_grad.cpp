@@ -20,7 +20,7 @@ at::Tensor counted_rows_t_times(const Problem& p, const at::Tensor& gamma, int64
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
     const at::Tensor g = gamma.narrow(0, r0, r1 - r0);
-    const at::Tensor xr = p.rows(r0, r1).x.to(dtype).masked_fill(g.eq(0).unsqueeze(1), 0);
+    const at::Tensor xr = p.block(r0, r1).x.to(dtype).masked_fill(g.eq(0).unsqueeze(1), 0);
     sum.add_(at::mv(xr.t(), g.to(dtype)));
   }
   return sum.to(dtype);
@@ -62,26 +62,26 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
   const Problem stored = reading_stored_logits(p, plan);
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
-    const Problem pr = stored.rows(r0, r1);
-    const RowStats block_stats = s.rows(r0, r1);
+    const Problem pr = stored.block(r0, r1);
+    const RowStats block_stats = s.block(r0, r1);
     at::Tensor block;
     if (stored_logits) {
       block = logits_buffer.narrow(0, 0, r1 - r0);
       logits_into(pr, block, plan.logits_scale);
       cuda_stats_from_logits(pr, block, block_stats);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
-      cuda_softmax_grad(pr, c.rows(r0, r1, block_stats), block_stats.lse, block, smoothing_in_kernel);
+      cuda_softmax_grad(pr, c.block(r0, r1, block_stats), block_stats.lse, block, smoothing_in_kernel);
     } else if (o.vocab_parallel() || c.needs_stats()) {  // the stats (over all shards) before the gradient: the
                                                          // logits twice (CPU)
       const RowStats part = aten_row_stats(pr, request, r1 - r0);
       block_stats.copy_(part);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
-      GradCoefficients with_lse = c.rows(r0, r1, block_stats);
+      GradCoefficients with_lse = c.block(r0, r1, block_stats);
       with_lse.lse = block_stats.lse;
       block = aten_logit_grad(pr, with_lse, 0, p.V).to(gemm_dtype);
     } else {
       RowStats part;
-      std::tie(part, block) = aten_stats_and_logit_grad(pr, c.fixed.rows(r0, r1), request);
+      std::tie(part, block) = aten_stats_and_logit_grad(pr, c.fixed.block(r0, r1), request);
       block = block.to(gemm_dtype);
       block_stats.copy_(part);
     }
@@ -113,8 +113,8 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
   at::Tensor ones;
   for (int64_t r0 = 0; r0 < p.N; r0 += rows) {
     const int64_t r1 = std::min(p.N, r0 + rows);
-    const Problem pr = p.rows(r0, r1);
-    const GradCoefficients cr = c.rows(r0, r1, s.rows(r0, r1));
+    const Problem pr = p.block(r0, r1);
+    const GradCoefficients cr = c.block(r0, r1, s.block(r0, r1));
     const at::Tensor lse = s.lse.narrow(0, r0, r1 - r0);
     for (int64_t v0 = 0; v0 < p.V; v0 += cols) {
       const int64_t v1 = std::min(p.V, v0 + cols);

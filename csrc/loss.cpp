@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(const
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_all(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   return call.grads(g);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_keeping_logits(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_keeping_logits(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
@@ -110,15 +110,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
         kept_part, call.options,
         make_plan(kept_part, call.options, call.plan.device, Pass::ForwardKeepingLogits, -1, kept_n), logits);
     s = RowStats::allocate(shard, {call.options.smoothing(), call.options.return_entropy, call.options.return_argmax});
-    s.rows(0, kept_n).copy_(kept_stats);
-    s.rows(kept_n, call.run.N).copy_(rest_stats);
+    s.block(0, kept_n).copy_(kept_stats);
+    s.block(kept_n, call.run.N).copy_(rest_stats);
   }
   if (call.options.vocab_parallel()) combine_vocab_shards(shard, s, call.options);
   const auto [lse, entropy, argmax] = call.outputs(s);
   return {call.loss(s), lse, entropy, argmax, logits};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_from_logits(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_backward_from_logits(
     const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& grad_entropy, at::Tensor& logits, const at::Tensor& input,
     const at::Tensor& linear_weight, const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_fro
   const Call call({input, linear_weight, target, linear_bias, weight},
                   LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::BackwardFromLogits,
                   {/*check=*/false}, logits.size(0));
-  if (grad_lse && grad_lse->defined() && !(call.rows.known() && call.rows.counted == call.problem.N)) {
+  if (grad_lse && grad_lse->defined() && !(call.counted_rows.known() && call.counted_rows.counted == call.problem.N)) {
     // the lse of ignored rows has a gradient, and their logits may not have been kept: computed again
     return linear_cross_entropy_backward(grad_loss, grad_lse, grad_entropy, input, linear_weight, target, linear_bias,
                                          weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
@@ -230,7 +230,7 @@ bool gradients_in_forward(const LossOptions& o, const at::Tensor& input) {
   return o.scalar() && !(input.scalar_type() == at::kHalf && input.device().is_cpu());
 }
 
-void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+void _plan(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
   const auto args = torch::jit::last(*stack, n);
   const at::Tensor input = args[0].toTensor(), linear_weight = args[1].toTensor(), target = args[2].toTensor();

@@ -17,7 +17,7 @@ namespace fused_ce {
 // fused_ce::_linear_cross_entropy, the op every front calls: (loss, lse, entropy, argmax), the last two
 // shaped like the target where asked for (return_entropy, return_argmax), else empty; vocabulary parallel
 // with a process_group (vocab_parallel.h).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_all(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
 // counted rows' only where their count is read: the rows beyond are left uninitialised (the backward gives them
 // no gradient and writes them zeros). None ([0, V]) where kept_logit_rows (plan.h) has no value: the autograd
 // formula calls this op for every per-token loss, and the op decides, once.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_keeping_logits(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_keeping_logits(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS));
@@ -67,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
 // fused_ce::_linear_cross_entropy_backward_from_logits: linear_cross_entropy_backward's gradients from the
 // logits that _linear_cross_entropy_keeping_logits kept, which become their gradient in place (they are used
 // up); recomputed where those logits lack rows the gradient needs (a gradient on the lse of ignored rows).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_from_logits(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_backward_from_logits(
     const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& grad_entropy, at::Tensor& logits, const at::Tensor& input,
     const at::Tensor& linear_weight, const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
@@ -99,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
 
 // fused_ce::_plan: the plan of one of the three ops for these arguments (plan.h,
 // plan_fields), without running it (the targets are prepared: one host read).
-void plan_of(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+void _plan(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // _plan's schema, from plan_fields.
 std::string plan_schema();
 

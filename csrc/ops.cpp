@@ -65,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
 }
 
 // What the build embedded: architectures, kernels, and one cubin's bytes (for tests).
-std::vector<int64_t> embedded_archs() {
+std::vector<int64_t> _embedded_archs() {
   std::vector<int64_t> archs;
   for (int i = 0; i < kNumKernelVariants; ++i) {
     if (std::find(archs.begin(), archs.end(), kKernelVariants[i].arch) == archs.end()) {
@@ -76,7 +76,7 @@ std::vector<int64_t> embedded_archs() {
   return archs;
 }
 
-std::vector<std::string> embedded_kernels() {
+std::vector<std::string> _embedded_kernels() {
   std::vector<std::string> names;
   for (int i = 0; i < kNumKernelVariants; ++i) {
     if (std::find(names.begin(), names.end(), kKernelVariants[i].kernel) == names.end()) {
@@ -86,7 +86,7 @@ std::vector<std::string> embedded_kernels() {
   return names;
 }
 
-at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_view dtype, c10::string_view layout) {
+at::Tensor _embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_view dtype, c10::string_view layout) {
   for (int i = 0; i < kNumKernelVariants; ++i) {
     const KernelVariant& v = kKernelVariants[i];
     if (v.arch == arch && kernel == v.kernel && dtype == v.dtype && layout == v.layout) {
@@ -101,7 +101,7 @@ at::Tensor embedded_cubin(int64_t arch, c10::string_view kernel, c10::string_vie
 
 // fused_ce::_combine_row_stat_splits: combine_row_stat_splits (problem.h) for kernels/jit.py, which launches
 // the row_stats kernel itself: one source for the combination. Undefined stats come back empty.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> combine_row_stat_splits_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _combine_row_stat_splits(
     const at::Tensor& partial, const std::optional<at::Tensor>& argmax_partial, const at::Tensor& target,
     bool weighted_sums, bool entropy, bool argmax) {
   const RowStats s =
@@ -113,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 // fused_ce::_cuda_kernels_embedded: cuda_kernels_embedded (device.h) for the fake kernel of
 // _linear_cross_entropy_keeping_logits, whose kept rows (none without the kernels) it sizes; a device without an
 // index is the current one's.
-bool cuda_kernels_embedded_op(at::Device device, at::ScalarType dtype) {
+bool _cuda_kernels_embedded(at::Device device, at::ScalarType dtype) {
   if (device.is_cuda() && !device.has_index()) device = c10::impl::getDeviceGuardImpl(device.type())->getDevice();
   return cuda_kernels_embedded(device, dtype);
 }
@@ -177,35 +177,35 @@ TORCH_LIBRARY(fused_ce, m) {
             FUSED_CE_SCHEMA(FUSED_CE_DISTILLATION_OPTIONS) ") -> (Tensor loss, Tensor entropy, Tensor, Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
   m.def("_scale_grad_(Tensor(a!) grad, Tensor scale) -> ()");
-  m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&plan_of>());
+  m.def(plan_schema().c_str(), torch::CppFunction::makeFromBoxedFunction<&_plan>());
   m.def(
       "_combine_row_stat_splits(Tensor partial, Tensor? argmax_partial, Tensor target, bool weighted_sums, bool "
       "entropy, bool argmax) -> (Tensor lse, Tensor target_gap, Tensor log_sum, Tensor weighted_z_sum, Tensor "
       "entropy, Tensor argmax)",
-      &combine_row_stat_splits_op);
-  m.def("_embedded_archs() -> int[]", &embedded_archs);
-  m.def("_cuda_kernels_embedded(Device device, ScalarType dtype) -> bool", &cuda_kernels_embedded_op);
-  m.def("_kept_logit_rows_constants() -> int[]", &kept_logit_rows_constants);
-  m.def("_kept_logit_rows_of(int rows, int V, int D, int elem, int? workspace_bytes) -> int", &kept_logit_rows_of);
-  m.def("_embedded_kernels() -> str[]", &embedded_kernels);
-  m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &embedded_cubin);
+      &_combine_row_stat_splits);
+  m.def("_embedded_archs() -> int[]", &_embedded_archs);
+  m.def("_cuda_kernels_embedded(Device device, ScalarType dtype) -> bool", &_cuda_kernels_embedded);
+  m.def("_kept_logit_rows_constants() -> int[]", &_kept_logit_rows_constants);
+  m.def("_kept_logit_rows_of(int rows, int V, int D, int elem, int? workspace_bytes) -> int", &_kept_logit_rows_of);
+  m.def("_embedded_kernels() -> str[]", &_embedded_kernels);
+  m.def("_embedded_cubin(int arch, str kernel, str dtype, str layout) -> Tensor", &_embedded_cubin);
 }
 
 namespace {
 
 // The ops' CPU and CUDA kernels: the same functions (loss.cpp), which dispatch on the device inside.
 void register_kernels(torch::Library& m) {
-  m.impl("_scale_grad_", &scale_grad_);
-  m.impl("_linear_cross_entropy_keeping_logits", &linear_cross_entropy_keeping_logits);
-  m.impl("_linear_cross_entropy_backward_from_logits", &linear_cross_entropy_backward_from_logits);
+  m.impl("_scale_grad_", &_scale_grad_);
+  m.impl("_linear_cross_entropy_keeping_logits", &_linear_cross_entropy_keeping_logits);
+  m.impl("_linear_cross_entropy_backward_from_logits", &_linear_cross_entropy_backward_from_logits);
   m.impl("linear_policy_loss", &linear_policy_loss);
   m.impl("linear_policy_loss_with_grad", &linear_policy_loss_with_grad);
-  m.impl("linear_cross_entropy", &public_loss<&linear_cross_entropy_all>);
-  m.impl("_linear_cross_entropy", &linear_cross_entropy_all);
+  m.impl("linear_cross_entropy", &public_loss<&_linear_cross_entropy>);
+  m.impl("_linear_cross_entropy", &_linear_cross_entropy);
   m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("linear_cross_entropy_with_grad", &linear_cross_entropy_with_grad);
   m.impl("linear_distillation_loss", &linear_distillation_loss);
-  m.impl("_linear_distillation_with_grad", &linear_distillation_with_grad);
+  m.impl("_linear_distillation_with_grad", &_linear_distillation_with_grad);
 }
 
 template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
@@ -232,8 +232,8 @@ TORCH_LIBRARY_IMPL(fused_ce, CompositeImplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
   m.impl("linear_policy_loss", &linear_policy_loss_autograd);
-  m.impl("linear_cross_entropy", &public_loss<&linear_cross_entropy_all_autograd>);
-  m.impl("_linear_cross_entropy", &linear_cross_entropy_all_autograd);
+  m.impl("linear_cross_entropy", &public_loss<&_linear_cross_entropy_autograd>);
+  m.impl("_linear_cross_entropy", &_linear_cross_entropy_autograd);
   m.impl("linear_distillation_loss", &linear_distillation_loss_autograd);
 }
 

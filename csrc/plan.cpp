@@ -132,16 +132,16 @@ Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device
   Problem counted_rows = p;
   counted_rows.N = counted;
   const Plan selected = plan_rows(counted_rows, o, device, pass, /*selected=*/true, kept);
-  // the kept-logits passes always run on the counted rows (linear_cross_entropy_keeping_logits), and so does a
+  // the kept-logits passes always run on the counted rows (_linear_cross_entropy_keeping_logits), and so does a
   // distillation (its rows' cost is the logits of two heads, its dW sums as the blocks go)
   return with_keeps(kept_pass || p.distills() || counted_rows_pay(selected, all, p) ? selected : all);
 }
 
-std::vector<int64_t> kept_logit_rows_constants() {
+std::vector<int64_t> _kept_logit_rows_constants() {
   return {kDefaultCudaWorkspace, kMinKeptRows, kPartialBytesPer1024Columns};
 }
 
-int64_t kept_logit_rows_of(int64_t rows, int64_t V, int64_t D, int64_t elem, std::optional<int64_t> workspace_bytes) {
+int64_t _kept_logit_rows_of(int64_t rows, int64_t V, int64_t D, int64_t elem, std::optional<int64_t> workspace_bytes) {
   return kept_rows_of<int64_t>(rows, V, D, elem, workspace_bytes.value_or(kDefaultCudaWorkspace)).value_or(-1);
 }
 

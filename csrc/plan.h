@@ -34,9 +34,9 @@ std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Te
                                            const at::Tensor& target, const LossOptions& o, const DeviceFacts& device);
 // kept_logit_rows' constants, for the fake kernel (fused_ce/_fake.py): the default CUDA workspace, the fewest
 // rows a partial keep takes, and the bytes of partials per 1024 columns.
-std::vector<int64_t> kept_logit_rows_constants();
+std::vector<int64_t> _kept_logit_rows_constants();
 // The same sizing on plain numbers (-1: none kept), for the fake kernel's import-time check against its own.
-int64_t kept_logit_rows_of(int64_t rows, int64_t V, int64_t D, int64_t elem, std::optional<int64_t> workspace_bytes);
+int64_t _kept_logit_rows_of(int64_t rows, int64_t V, int64_t D, int64_t elem, std::optional<int64_t> workspace_bytes);
 
 // The plan's fields as (name, value): what _plan returns, in this order, and what its schema declares.
 std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan);

@@ -19,7 +19,7 @@ at::Tensor select(const at::Tensor& t, const at::Tensor& index) {
 
 }  // namespace
 
-Problem Problem::rows(int64_t begin, int64_t end, const at::Tensor& gathered) const {
+Problem Problem::block(int64_t begin, int64_t end, const at::Tensor& gathered) const {
   Problem p = *this;
   if (!row_index.defined()) {
     p.x = x.narrow(0, begin, end - begin);
@@ -43,7 +43,7 @@ Problem Problem::rows(int64_t begin, int64_t end, const at::Tensor& gathered) co
 }
 
 Problem Problem::row_range(int64_t begin, int64_t end) const {
-  if (!row_index.defined()) return rows(begin, end);
+  if (!row_index.defined()) return block(begin, end);
   Problem p = *this;
   p.row_index = row_index.narrow(0, begin, end - begin);
   p.teacher.top_indices = slice(teacher.top_indices, begin, end);
@@ -86,7 +86,7 @@ Problem Problem::cols(int64_t begin, int64_t end) const {
   return p;
 }
 
-GradCoefficients GradCoefficients::rows(int64_t begin, int64_t end) const {
+GradCoefficients GradCoefficients::block(int64_t begin, int64_t end) const {
   return {slice(lse, begin, end),  slice(alpha, begin, end), slice(alpha_lse, begin, end),
           slice(beta, begin, end), slice(gamma, begin, end), slice(alpha_z, begin, end)};
 }
@@ -101,7 +101,7 @@ GradCoefficients GradCoefficients::scaled(double s) const {
   return {lse, times(alpha), times(alpha_lse), times(beta), times(gamma), times(alpha_z)};
 }
 
-RowStats RowStats::rows(int64_t begin, int64_t end) const {
+RowStats RowStats::block(int64_t begin, int64_t end) const {
   return {slice(lse, begin, end),     slice(target_gap, begin, end),
           slice(log_sum, begin, end), slice(weighted_z_sum, begin, end),
           slice(entropy, begin, end), slice(argmax, begin, end)};

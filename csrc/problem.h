@@ -37,7 +37,7 @@ struct Problem {
   at::Tensor class_weight;  // [V] in the loss dtype (loss_dtype) contiguous, or undefined
   at::Tensor target;        // [N] int64 contiguous; ignored rows hold -1 (prepare_targets)
   // The rows of x this problem is about ([N] int64, ascending), where they are a selection (select_rows):
-  // rows() gathers them; undefined where x holds the rows themselves.
+  // block() gathers them; undefined where x holds the rows themselves.
   at::Tensor row_index;
   // Set where the rows were prepared on the device (cuda_prepare_rows), else undefined:
   at::Tensor target_weight;  // [N] float32: the target's class weight (1 without), 0 where ignored
@@ -67,12 +67,12 @@ struct Problem {
 
   // The same problem on rows [begin, end): views, or, for selected rows, their x gathered (contiguous; into
   // `gathered`, [>= end - begin, D] in x's dtype, where given).
-  Problem rows(int64_t begin, int64_t end, const at::Tensor& gathered = {}) const;
+  Problem block(int64_t begin, int64_t end, const at::Tensor& gathered = {}) const;
   // Rows [begin, end) as a problem of their own, to be run in blocks: views, or the selection's range.
   Problem row_range(int64_t begin, int64_t end) const;
   Problem cols(int64_t begin, int64_t end) const;  // on classes [begin, end) of this problem's w
   // The problem of rows `index` ([K] int64 of this problem's rows, ascending): targets and target weights
-  // selected now, x gathered block by block (rows()).
+  // selected now, x gathered block by block (block()).
   Problem select_rows(const at::Tensor& index) const;
 };
 
@@ -87,15 +87,15 @@ struct StatsRequest {
 
 // All [N] in the loss dtype (loss_dtype), argmax int64; the optional ones undefined where not asked for.
 struct RowStats {
-  at::Tensor lse;                                   // max + log_sum
-  at::Tensor target_gap;                            // max - z[r, target] (0 where the target is ignored)
-  at::Tensor log_sum;                               // log sum_c exp(z[r, c] - max), in [0, log V]
-  at::Tensor weighted_z_sum;                        // with label smoothing: sum_c cw[c] * z[r, c]
-  at::Tensor entropy;                               // -sum_c p log p of the row's softmax
-  at::Tensor argmax;                                // the most likely class (the lowest on ties)
-  RowStats rows(int64_t begin, int64_t end) const;  // views of rows [begin, end)
-  void copy_(const RowStats& part) const;           // part's values into these (same rows)
-  StatsRequest request() const;                     // which optional ones these have
+  at::Tensor lse;                                    // max + log_sum
+  at::Tensor target_gap;                             // max - z[r, target] (0 where the target is ignored)
+  at::Tensor log_sum;                                // log sum_c exp(z[r, c] - max), in [0, log V]
+  at::Tensor weighted_z_sum;                         // with label smoothing: sum_c cw[c] * z[r, c]
+  at::Tensor entropy;                                // -sum_c p log p of the row's softmax
+  at::Tensor argmax;                                 // the most likely class (the lowest on ties)
+  RowStats block(int64_t begin, int64_t end) const;  // views of rows [begin, end)
+  void copy_(const RowStats& part) const;            // part's values into these (same rows)
+  StatsRequest request() const;                      // which optional ones these have
   // Uninitialised stats of p's rows, the optional ones as asked for.
   static RowStats allocate(const Problem& p, const StatsRequest& request);
 };
@@ -115,7 +115,7 @@ RowStats combine_row_stat_splits(const at::Tensor& partial, const at::Tensor& ar
 // smoothing). `lse` may be undefined where the stage computes it.
 struct GradCoefficients {
   at::Tensor lse, alpha, alpha_lse, beta, gamma, alpha_z;  // [N] in the loss dtype, contiguous
-  GradCoefficients rows(int64_t begin, int64_t end) const;
+  GradCoefficients block(int64_t begin, int64_t end) const;
   GradCoefficients scaled(double s) const;  // the gradient times s (lse as it is)
   GradCoefficients select_rows(const at::Tensor& index) const;
 };

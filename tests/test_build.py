@@ -97,21 +97,52 @@ def test_import_names_both_torch_versions_on_mismatch():
     assert "ImportError" in out.stderr and "9.9.9" in out.stderr and torch.__version__.split("+")[0] in out.stderr
 
 
-def test_cpp_launch_arguments_are_the_specs():
-    # The C++ launchers (KernelArgs: .ptr/.i64/.i32/.f32 by name) and the kernels' SPECs name one list of launch
-    # parameters: a parameter renamed or retyped on one side only fails here, on the CPU, and not first at a launch
-    # (cuda_driver.cpp checks each launch against the embedded table).
-    import re
-    from pathlib import Path
+LAUNCH_SITE = """
+#include "kernel_args.h"
+void site(const at::Tensor& t) {
+  fused_ce::ScaleArgs a;
+  a.g_ptr = t;
+  a.scale_ptr = t;
+  a.numel = t.numel();
+  ASSIGNMENT;
+}
+"""
 
-    kinds = {"ptr": "pointer", "i64": "i64", "i32": "i32", "f32": "fp32"}
-    used = {}
-    for source in sorted((Path(__file__).parent.parent / "csrc").glob("*.cpp")):
-        for kind, name in re.findall(r'\.(ptr|i64|i32|f32)\("(\w+)"', source.read_text()):
-            used.setdefault(name, set()).add(kinds[kind])
-    declared = {}
+
+@pytest.mark.parametrize(
+    "assignment, error",
+    [
+        ("a.numel = int64_t{3}", None),
+        ("a.num_el = int64_t{3}", "has no member named"),  # a parameter renamed in its SPEC
+        ("a.numel = int32_t{3}", "deleted function"),  # of another type than its SPEC's (i64)
+        ("fused_ce::DistillRowsArgs d; d.inv_t = 0.5", "deleted function"),  # a double for an fp32
+    ],
+)
+def test_launch_arguments_are_checked_when_the_library_builds(tmp_path, assignment, error):
+    # The C++ launchers fill each kernel's argument struct, generated from its SPEC by the build (kernel_args.h): a
+    # parameter renamed or retyped in a SPEC, or given a value of another type, fails the C++ build, not a launch.
+    from torch.utils import cpp_extension
+
+    aot = importlib.import_module("fused_ce._build.aot")
+    (tmp_path / "kernel_args.h").write_text(aot.launch_args_header())
+    (tmp_path / "site.cpp").write_text(LAUNCH_SITE.replace("ASSIGNMENT", assignment))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    includes = [os.path.join(root, "csrc"), str(tmp_path)] + cpp_extension.include_paths()
+    command = ["c++", "-std=c++17", "-fsyntax-only", *(f"-I{i}" for i in includes), str(tmp_path / "site.cpp")]
+    out = subprocess.run(command, capture_output=True, text=True)
+    if error is None:
+        assert out.returncode == 0, out.stderr[-2000:]
+    else:
+        assert out.returncode != 0 and error in out.stderr, out.stderr[-2000:]
+
+
+def test_spec_grids_are_the_launchers():
+    # One grid per kernel, its SPEC's: the JIT launchers evaluate it, the generated C++ structs compute it.
+    aot = importlib.import_module("fused_ce._build.aot")
+    header = aot.launch_args_header()
     for kernel in configs.KERNELS:
-        for name, type_ in kernel_module(kernel).SPEC.params:
-            declared.setdefault(name, set()).add("pointer" if type_.startswith("*") else type_)
-    assert set(used) == set(declared), (sorted(set(used) - set(declared)), sorted(set(declared) - set(used)))
-    assert used == declared, {name: (used[name], declared[name]) for name in used if used[name] != declared[name]}
+        spec = kernel_module(kernel).SPEC
+        assert f"// SPEC.grid: {spec.grid}" in header
+        args = {name: 1000 for name in spec.param_names()}
+        args.update(v_begin=0, v_end=1000)
+        assert spec.grid_size(args, rows=16, cols=128, programs=4) >= 1

@@ -158,7 +158,8 @@ def test_reduce_overhead_compile_as_the_first_use():
 
 
 # linear_distillation_loss under capture: its targets prepared as every op's (no host read), every row run with the
-# ignored ones weighed 0; the replay equals eager (which runs the counted rows only).
+# ignored ones weighed 0; the replay as close to float32's as eager (which runs the counted rows only, a scalar
+# loss's 1 / K in the products where the capture has it in each row's scale: their bfloat16 roundings differ).
 DISTILLATIONS = {
     "jsd_mean_hard": dict(beta=0.5, hard_label_weight=0.3, reduction="mean"),
     "forward_kl_none": dict(reduction="none"),
@@ -212,9 +213,13 @@ def test_distillation_capture_and_replay_match_eager(case):
                     static.copy_(fresh)
         graph.replay()
         xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
-        expected = distillation_step(xe, we, t, teacher, options)
-        for got, want in zip((loss, xs.grad, ws.grad), (expected, xe.grad, we.grad)):
-            assert rel_err(got.float(), want.float()) < 1e-3, (case, seed, rel_err(got.float(), want.float()))
+        eager = distillation_step(xe, we, t, teacher, options), xe.grad, we.grad
+        x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
+        teacher32 = {k: (v if top_k else v.float()) for k, v in teacher.items()}
+        reference = distillation_step(x32, w32, t, teacher32, options), x32.grad, w32.grad
+        for name, got, want, ref in zip(("loss", "dX", "dW"), (loss, xs.grad, ws.grad), eager, reference):
+            captured_err, eager_err = rel_err(got.float(), ref), rel_err(want.float(), ref)
+            assert captured_err <= 1.5 * eager_err + 1e-6, (case, seed, name, captured_err, eager_err)
 
 
 def test_distillation_bad_index_under_replay_is_nan_then_an_error():

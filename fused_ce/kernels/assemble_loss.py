@@ -23,6 +23,7 @@ SPEC = KernelSpec(
         ("has_smoothing", "i32"), ("reduction", "i32"),
     ),
     family="rows",
+    grid="1",
     dtypes=("fp32",),  # float32 arguments whatever the inputs
     layouts=("general",),
 )

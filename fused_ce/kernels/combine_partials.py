@@ -27,6 +27,7 @@ SPEC = KernelSpec(
         ("has_softcap", "i32"), ("has_smoothing", "i32"), ("has_entropy", "i32"), ("has_argmax", "i32"),
     ),
     family="combine",
+    grid="cdiv(N, ROWS)",
     layouts=("general",),  # one gathered load per row: nothing to gain from aligned accesses
     flavors=(("extras", (("EXTRAS", True), ("BLOCK_R", 8))),),  # the entropy and the argmax, half the rows
 )

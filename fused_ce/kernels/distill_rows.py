@@ -37,6 +37,7 @@ SPEC = KernelSpec(
         ("has_s_softcap", "i32"), ("has_t_softcap", "i32"),
     ),
     family="row_sweeps",
+    grid="N",
     divisible_by_16=frozenset({"zs_ptr", "zt_ptr", "stride_s", "stride_t", "V"}),
 )
 

@@ -30,6 +30,7 @@ SPEC = KernelSpec(
         ("has_alpha_z", "i32"),
     ),
     family="dot_tiles",
+    grid="cdiv(N, ROWS) * cdiv(v_end - v_begin, COLS)",
     divisible_by_16=XW_DIVISIBLE_BY_16 | {"g_ptr", "stride_gn"},
     unit_stride=XW_UNIT_STRIDE,
 )

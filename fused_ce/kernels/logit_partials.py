@@ -28,6 +28,7 @@ SPEC = KernelSpec(
         ("has_argmax", "i32"),
     ),
     family="stored_logits",
+    grid="cdiv(N, ROWS) * segments",
     # V too: a mask bound not known to be a multiple of 16 keeps every access scalar (LOG.md, step 14)
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),
     # The entropy's and argmax's partials (half the rows), and the softcap and label smoothing ("transforms"): the

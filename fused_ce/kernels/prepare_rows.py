@@ -50,6 +50,7 @@ SPEC = KernelSpec(
         ("has_class_weight", "i32"), ("mean", "i32"), ("write_coefficients", "i32"), ("write_order", "i32"),
     ),
     family="rows",
+    grid="1",
     dtypes=("fp32",),  # float32 and int64 arguments whatever the inputs
     layouts=("general",),
 )

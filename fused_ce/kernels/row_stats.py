@@ -27,6 +27,7 @@ SPEC = KernelSpec(
         ("has_entropy", "i32"), ("has_argmax", "i32"),
     ),
     family="dot_tiles",
+    grid="cdiv(N, ROWS) * cdiv(V, cols_per_split)",
     divisible_by_16=XW_DIVISIBLE_BY_16,
     unit_stride=XW_UNIT_STRIDE,
 )

@@ -13,6 +13,7 @@ SPEC = KernelSpec(
     "scale",
     params=(("g_ptr", "*T"), ("scale_ptr", "*fp32"), ("numel", "i64")),
     family="elementwise",
+    grid="max(1, min(cdiv(numel, COLS), PROGRAMS))",
     divisible_by_16=frozenset({"g_ptr", "numel"}),  # numel: the mask bound (see logit_partials.py)
 )
 

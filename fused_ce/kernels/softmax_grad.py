@@ -31,6 +31,7 @@ SPEC = KernelSpec(
         ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
     ),
     family="stored_logits",
+    grid="cdiv(N, ROWS) * segments",
     divisible_by_16=frozenset({"logits_ptr", "stride_ln", "V"}),  # V: see logit_partials.py
     # The entropy's gradient term (half the rows), and the softcap and label smoothing ("transforms"): the plain
     # kernel compiles both out (their registers took a third of its speed; LOG step 50)

@@ -33,6 +33,11 @@ class KernelSpec:
     # registers would slow every call (the stored-logits passes spill with the entropy's terms compiled in).
     # The plain kernel gets False for each flavor's switch; a flavor may also set BLOCK_R, its rows per program.
     flavors: tuple = ()
+    # The launch grid (programs, 1-D) as an expression both launchers evaluate (jit.py here, the C++ launchers through
+    # the argument struct the build generates from this SPEC: fused_ce/_build/aot.py): the launch parameters by
+    # name, ROWS and COLS (a program's rows and columns: its BLOCK_N or BLOCK_R and BLOCK_V or BLOCK), PROGRAMS
+    # (the launcher's cap on a grid-stride kernel's programs), cdiv, min and max.
+    grid: str = "1"
 
     def variants(self):
         """The (dtype, layout) variants the build compiles."""
@@ -46,6 +51,11 @@ class KernelSpec:
 
     def param_names(self):
         return [name for name, _ in self.params]
+
+    def grid_size(self, args, rows=None, cols=None, programs=None):
+        """The grid's programs for launch arguments `args` (by name) and the program's ROWS, COLS (and PROGRAMS)."""
+        names = dict(args, ROWS=rows, COLS=cols, PROGRAMS=programs, cdiv=lambda a, b: -(-a // b), min=min, max=max)
+        return int(eval(self.grid, {"__builtins__": {}}, names))  # noqa: S307  (the SPEC's own text)
 
 
 # x and w of the tl.dot kernels in the aligned layout.
