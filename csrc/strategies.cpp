@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "float16_scales.h"
+
 namespace fused_ce {
 namespace {
 
@@ -42,55 +44,10 @@ int64_t stored_logits_rows(const Problem& p, const DeviceFacts& device, int64_t 
   return std::clamp<int64_t>(budget / (logits_row_bytes(p, device) + gathered_bytes), 1, std::max<int64_t>(p.N, 1));
 }
 
-// A bound on |g| / c for every logit gradient g of a row with coefficient c at unit scale: |logit_scale| (at
-// least 1) times 1 + 2 z |lse| for |lse| up to 100 (softcap's slope and smoothing's terms at most 1).
-double float16_logit_grad_bound(const Problem& p, const LossOptions& o) {
-  return std::max(1.0, std::abs(p.logit_scale)) * (1.0 + 200.0 * o.z_loss);
-}
-
-// float16's scales leave 4x of float16's range beyond their bounds, so a class-weighted mean's coefficients
-// (Problem::coefficient_max, coefficient_sum; 1 for an unweighted mean) take powers of two off them only past 2:
-// its unit bounds within rounding (and every bound of class weights not negative without smoothing) change nothing.
-double weighted_mean_factor(double coefficients) {
-  return std::isnan(coefficients) || coefficients <= 2.0 ? 1.0 : coefficients;
-}
-
-// Plan::grad_scale for float16 gradient blocks: a power of two s with s * |g| < 65504 for every logit
-// gradient g of a scalar loss at unit scale: 2^14 over float16_logit_grad_bound, the row's coefficient c being
-// at most 1 for 'mean' without class weights (1 over the counted rows) and for 'sum' without class weights; with
-// them, a mean's largest coefficient as read (weighted_mean_factor). 'sum' with class weights has c = the weight
-// itself, unbounded: unit scale; so has the policy loss (its advantages have no bound), and a weighted mean whose
-// weights sum to 0 (its gradients are NaN, as torch's).
-double float16_grad_scale(const Problem& p, const LossOptions& o) {
-  if ((o.reduction_kind == Reduction::Sum && p.class_weight.defined()) || o.policy_loss) return 1.0;
-  const double bound = float16_logit_grad_bound(p, o) * weighted_mean_factor(p.coefficient_max);
-  if (!std::isfinite(bound)) return 1.0;
-  return std::ldexp(1.0, std::max(-64, 14 - static_cast<int>(std::ceil(std::log2(bound)))));
-}
-
-// Plan::grad_weight_scale: the largest power of two S with S * |dW| <= Plan::kFloat16WeightGradBound, from |dW[v, d]|
-// <= max|x| * sum_i |g[i, v]| and |g[i, v]| <= c_i * float16_logit_grad_bound, where sum_i c_i is 1 for 'mean'
-// without class weights, as read with them (weighted_mean_factor), and at most the rows for 'sum'. 0 (no bound)
-// where max|x| was not read or is not finite, for 'sum' with class weights (c_i unbounded) and where the
-// coefficients' sum is not finite.
-double float16_grad_weight_scale(const Problem& p, const LossOptions& o) {
-  const bool sum = o.reduction_kind == Reduction::Sum;
-  if (!std::isfinite(p.input_abs_max) || (sum && p.class_weight.defined())) return 0.0;
-  const double coefficients =
-      sum ? static_cast<double>(std::max<int64_t>(p.N, 1)) : weighted_mean_factor(p.coefficient_sum);
-  const double bound = p.input_abs_max * coefficients * float16_logit_grad_bound(p, o);
-  if (!std::isfinite(bound)) return 0.0;
-  return std::ldexp(
-      1.0, static_cast<int>(std::clamp(std::floor(std::log2(Plan::kFloat16WeightGradBound / bound)), -64.0, 64.0)));
-}
-
-// Blocks of whole vocabulary rows re-read and re-write dW once per block beyond
-// the first. Where that traffic would cost more than one more GEMM pass over
-// N x D x V, as in lean workspaces, the gradients come from 2-D tiles instead
-// (Strategy::VocabTiles). Returns the tiles' width, 0 for row blocks.
-// Measured at 64 MiB (benchmarks/LOG.md, step 14): tiles win at B (128-row
-// blocks) by a third, lose at A and C (256-row blocks) by ~3%; the threshold
-// is not tuned yet.
+// Blocks of whole vocabulary rows re-read and re-write dW once per block beyond the first. Where that traffic
+// would cost more than one more GEMM pass over N x D x V, as in lean workspaces, the gradients come from 2-D tiles
+// instead (Strategy::VocabTiles). Returns the tiles' width, 0 for row blocks. Measured at 64 MiB (benchmarks/LOG.md,
+// step 14): tiles win at B (128-row blocks) by a third, lose at A and C (256-row blocks) by ~3%; not tuned yet.
 int64_t vocab_tile_cols(const Problem& p, const ArchConstants& arch, int64_t budget, int64_t block_rows) {
   const int64_t elem = c10::elementSize(p.x.scalar_type());
   const int64_t blocks = cdiv(p.N, block_rows);
