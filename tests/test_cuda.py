@@ -267,9 +267,13 @@ def test_float16_weight_grad_at_its_scale(case):
     (reference_loss(xe, we, t, **kw) * scale).backward()  # torch eager in float16, on the finite rows
     xr, wr = (v.double().requires_grad_() for v in (clean, w))
     (reference_loss(xr, wr, t, **kw) * scale).backward()
-    for got, eager, expected in ((xl.grad, xe.grad, xr.grad), (wl.grad, we.grad, wr.grad)):
+    # dW summed in float16 over the blocks is rounded once per block and once by the backward's scaling: where a few
+    # elements dominate its norm (an outlier feature's column), eager's single rounding can be near 0 by chance
+    # (seeds where it was 0.2x its usual), so dW may also take those half-ulps (2^-12 each), its bound by design
+    roundings = (blocks + 1) * 2.0**-12 if plan.grad_weight_dtype == torch.float16 else 0.0
+    for got, eager, expected, floor in ((xl.grad, xe.grad, xr.grad, 0.0), (wl.grad, we.grad, wr.grad, roundings)):
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
-        assert rel_err(got, expected) <= 1.5 * rel_err(eager, expected) + 1e-4, (
+        assert rel_err(got, expected) <= max(1.5 * rel_err(eager, expected) + 1e-4, floor), (
             rel_err(got, expected),
             rel_err(eager, expected),
         )
