@@ -1,9 +1,10 @@
 """What the build and the launchers know of a kernel, declared beside its ``@triton.jit`` as ``SPEC``.
 
 Pure data (no triton import). The AOT build (fused_ce/_build/aot.py) compiles each
-variant from it and writes the launch parameters into the library's kernel table,
-which csrc/cuda_stages.cpp is checked against at every launch; the JIT launchers
-(jit.py) pass arguments by these names; configs.py gives each family its tiles.
+variant from it, writes the launch parameters into the library's kernel table (every
+launch is checked against it) and generates from it the C++ launchers' argument struct
+and grid (build/aot/kernel_args.h); the JIT launchers (jit.py) pass arguments by these
+names on the same grid; configs.py gives each family its tiles.
 """
 from dataclasses import dataclass
 
