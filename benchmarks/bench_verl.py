@@ -2,6 +2,7 @@
 
     python benchmarks/bench_verl.py                       # Qwen2.5-7B's head, 8 x 4096 tokens, bf16
     python benchmarks/bench_verl.py --rounds 3 --backends fused_ce,triton
+    python benchmarks/bench_verl.py --backends fused_ce,triton --no-grad-workspace 134217728   # and the lean row
 
 The step verl's FSDP engine runs for the actor (``use_fused_kernels=True``): per-token log-probs and entropy of the
 sampled tokens at the rollout temperature from the last hidden states and the lm_head weight, forward and backward
@@ -20,6 +21,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import types
@@ -83,6 +85,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--no-grad-workspace",
+        type=int,
+        default=None,
+        help="also fused_ce with FUSED_CE_VERL_NO_GRAD_WORKSPACE_BYTES set to this (its reference forward's workspace)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
 
@@ -95,6 +103,19 @@ def main():
     entropy_coef = torch.full((B, T), 0.01, device="cuda")  # (a tensor: contiguous gradients, as verl's loss gives)
     available = backends()
     chosen = [b for b in args.backends.split(",") if b in available]
+    if args.no_grad_workspace is not None and "fused_ce" in available:
+        import fused_ce.integrations.verl as fused_verl
+
+        def lean(h, w, ids, temperature, head=available["fused_ce"]):
+            os.environ[fused_verl.NO_GRAD_WORKSPACE] = str(args.no_grad_workspace)
+            try:
+                return head(h, w, ids, temperature)
+            finally:
+                del os.environ[fused_verl.NO_GRAD_WORKSPACE]
+
+        name = f"fused_ce, no-grad workspace {args.no_grad_workspace / 2**20:g} MiB"
+        available[name] = lean
+        chosen.insert(chosen.index("fused_ce") + 1 if "fused_ce" in chosen else 0, name)
 
     def train_step(fn):
         def step():

@@ -17,21 +17,50 @@ that call is ``fused_ce.linear_log_probs(..., temperature=..., return_entropy=Tr
 log-probs, the entropy in the hidden states' dtype, as verl's torch backend returns them) and gradients, without the
 ``[tokens, V]`` logits. Importing this module only registers the backend (verl's modules are patched as verl
 imports them); the backend is used only where a job asks for it.
+
+The reference and old policies' forwards run without grad. Where memory counts there more than time, the
+environment variable ``FUSED_CE_VERL_NO_GRAD_WORKSPACE_BYTES`` (set in the job's runtime environment, so that
+verl's workers see it) is their ``workspace_bytes``: one too small for row blocks of cuBLAS logits (134217728 at
+Qwen2.5-7B's head) takes fused_ce's lean path, tiles of logits reduced in registers in a few MiB, at 1.7x the
+default's time there, still ahead of verl's Triton kernel (docs/integrations.md). The actor's step keeps the
+default.
 """
 
 import functools
 import importlib.abc
+import os
 import sys
 
 BACKEND = "fused_ce"
+NO_GRAD_WORKSPACE = "FUSED_CE_VERL_NO_GRAD_WORKSPACE_BYTES"
+
+
+def _no_grad_workspace():
+    """The no-grad forwards' workspace_bytes from NO_GRAD_WORKSPACE (None where unset: the default)."""
+    value = os.environ.get(NO_GRAD_WORKSPACE, "").strip()
+    if not value:
+        return None
+    try:
+        workspace = int(value)
+    except ValueError:
+        workspace = 0
+    if workspace <= 0:
+        raise ValueError(f"fused_ce.integrations.verl: {NO_GRAD_WORKSPACE} must be a positive number of bytes, "
+                         f"got {value!r}")  # fmt: skip
+    return workspace
 
 
 def log_probs_and_entropy(hidden_states, vocab_weights, input_ids, temperature=1.0):
     """verl's ``FusedLinearForPPO.forward`` contract through fused_ce: ``hidden_states [..., D]``, ``vocab_weights
     [V, D]``, ``input_ids [...]`` (every token counted: verl has no ignored label here) -> (log-probs float32,
-    entropy in the hidden states' dtype), both shaped like ``input_ids`` and differentiable."""
+    entropy in the hidden states' dtype), both shaped like ``input_ids`` and differentiable. Without grad (the
+    reference and old policies), in the workspace NO_GRAD_WORKSPACE names where it is set."""
+    import torch
+
     from ..functional import linear_log_probs
 
+    differentiable = torch.is_grad_enabled() and (hidden_states.requires_grad or vocab_weights.requires_grad)
+    workspace = None if differentiable else _no_grad_workspace()
     out = linear_log_probs(
         hidden_states,
         vocab_weights,
@@ -39,6 +68,7 @@ def log_probs_and_entropy(hidden_states, vocab_weights, input_ids, temperature=1
         temperature=float(temperature),
         ignore_index=None,
         return_entropy=True,
+        **({} if workspace is None else dict(workspace_bytes=workspace)),
     )
     return out.log_probs, out.entropy.to(hidden_states.dtype)
 

@@ -13,7 +13,7 @@ import torch
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 from verl.utils.experimental.torch_functional import FusedLinearForPPO
 
-import fused_ce.integrations.verl as fused_verl  # noqa: F401  (registers the backend, as verl's plugin loader does)
+import fused_ce.integrations.verl as fused_verl  # (registers the backend, as verl's plugin loader does)
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 from reference import rel_err  # noqa: E402
@@ -148,3 +148,34 @@ def test_verls_plugin_loader_registers_the_backend():
         "assert monkey_patch.patch_forward_with_backends._fused_ce_original is not None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_grad_workspace_from_the_environment(monkeypatch):
+    # FUSED_CE_VERL_NO_GRAD_WORKSPACE_BYTES is the reference and old policies' workspace (no grad), not the actor's;
+    # the same values either way; a bad value is an error naming the variable.
+    import fused_ce.functional
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 37, 64, generator=g), torch.randn(1000, 64, generator=g) / 8
+    ids = torch.randint(0, 1000, (2, 37), generator=g)
+    seen = []
+    original = fused_ce.functional.linear_log_probs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("workspace_bytes"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_ce.functional, "linear_log_probs", spy)
+    head = FusedLinearForPPO(impl_backend="fused_ce")
+    with torch.no_grad():
+        default = head.forward(hidden, weight, ids, temperature=0.7)
+    monkeypatch.setenv(fused_verl.NO_GRAD_WORKSPACE, str(64 * 1000 * 4))  # a few rows' logits at a time
+    with torch.no_grad():
+        lean = head.forward(hidden, weight, ids, temperature=0.7)
+    actor = head.forward(hidden.clone().requires_grad_(), weight, ids, temperature=0.7)
+    assert seen == [None, 64 * 1000 * 4, None]
+    for a, b in zip(lean + actor, default + default):
+        assert rel_err(a.detach(), b) < 1e-6
+    monkeypatch.setenv(fused_verl.NO_GRAD_WORKSPACE, "lots")
+    with pytest.raises(ValueError, match="FUSED_CE_VERL_NO_GRAD_WORKSPACE_BYTES must be a positive"), torch.no_grad():
+        head.forward(hidden, weight, ids, temperature=0.7)
