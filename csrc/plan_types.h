@@ -103,10 +103,10 @@ struct Plan {
 };
 
 // Whether that pass returns float16's dW times a power of two (the cross-entropy's forward with gradient, not the
-// policy loss's: Plan::grad_weight_scale), bounded by Problem::input_abs_max, which prepare_targets then reads
-// with the count.
+// policy loss's nor a distillation's: Plan::grad_weight_scale), bounded by Problem::input_abs_max, which
+// prepare_targets then reads with the count.
 inline bool returns_scaled_float16_weight_grad(const Problem& p, const LossOptions& o, Pass pass) {
-  return pass == Pass::ForwardWithGrad && p.x.scalar_type() == at::kHalf && !o.policy_loss;
+  return pass == Pass::ForwardWithGrad && p.x.scalar_type() == at::kHalf && !o.policy_loss && !p.distills();
 }
 
 }  // namespace fused_ce
