@@ -146,3 +146,40 @@ def test_spec_grids_are_the_launchers():
         args = {name: 1000 for name in spec.param_names()}
         args.update(v_begin=0, v_end=1000)
         assert spec.grid_size(args, rows=16, cols=128, programs=4) >= 1
+
+
+def csrc_units():
+    """csrc's units (a .cpp with its .h, by name) and the units each one's files include."""
+    import re
+    from pathlib import Path
+
+    files = {}
+    for path in (Path(__file__).parent.parent / "csrc").iterdir():
+        if path.suffix in (".h", ".cpp"):
+            files.setdefault(path.stem, []).append(path)
+    uses = {unit: set() for unit in files}
+    for unit, paths in files.items():
+        for path in paths:
+            for included in re.findall(r'#include "(\w+)\.h"', path.read_text()):
+                if included != unit and included in files:
+                    uses[unit].add(included)
+    return files, uses
+
+
+def test_csrc_units_form_a_ladder():
+    # docs/design.md: no two units use each other, the longest chain of units using units is at most 11, no file is
+    # over 400 lines; a change that breaks one fails here, on the CPU.
+    import functools
+
+    files, uses = csrc_units()
+    pairs = sorted((a, b) for a in uses for b in uses[a] if a < b and a in uses[b])
+    assert not pairs, f"units that use each other: {pairs}"
+
+    @functools.lru_cache(None)
+    def chain(unit):
+        return [unit] + max((chain(used) for used in uses[unit]), key=len, default=[])
+
+    longest = max((chain(unit) for unit in uses), key=len)
+    assert len(longest) <= 11, " -> ".join(longest)
+    lengths = {path.name: len(path.read_text().splitlines()) for paths in files.values() for path in paths}
+    assert max(lengths.values()) <= 400, {name: n for name, n in lengths.items() if n > 400}
