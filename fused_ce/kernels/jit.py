@@ -5,7 +5,6 @@ a GPU with triton installed. Arguments are passed by the names of each kernel's
 SPEC and checked against it; tiles come from configs.py by the SPEC's family.
 The library itself never imports this module.
 """
-
 import math
 
 import torch
@@ -80,52 +79,23 @@ def _placeholder(t, maybe):
 
 def _xw_args(x, w, target, bias, class_weight, logit_scale, softcap):
     return dict(
-        x_ptr=x,
-        w_ptr=w,
-        b_ptr=_placeholder(target, bias),
-        cw_ptr=_placeholder(target, class_weight),
-        tgt_ptr=target,
-        D=x.shape[1],
-        stride_xn=x.stride(0),
-        stride_xd=x.stride(1),
-        stride_wv=w.stride(0),
-        stride_wd=w.stride(1),
-        logit_scale=float(logit_scale),
-        softcap=float(softcap or 1.0),
-        has_bias=int(bias is not None),
-        has_class_weight=int(class_weight is not None),
+        x_ptr=x, w_ptr=w, b_ptr=_placeholder(target, bias), cw_ptr=_placeholder(target, class_weight),
+        tgt_ptr=target, D=x.shape[1],
+        stride_xn=x.stride(0), stride_xd=x.stride(1), stride_wv=w.stride(0), stride_wd=w.stride(1),
+        logit_scale=float(logit_scale), softcap=float(softcap or 1.0),
+        has_bias=int(bias is not None), has_class_weight=int(class_weight is not None),
         has_softcap=int(softcap is not None),
     )
 
 
 def _dot_tile_meta(cfg, x):
-    return dict(
-        BLOCK_N=cfg.block_n,
-        BLOCK_V=cfg.block_v,
-        BLOCK_D=cfg.block_d,
-        GROUP_N=cfg.group_n,
-        EVEN_D=x.shape[1] % cfg.block_d == 0,
-        DOT_PRECISION=configs.dot_precision(_DTYPES[x.dtype]),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    return dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
+                EVEN_D=x.shape[1] % cfg.block_d == 0, DOT_PRECISION=configs.dot_precision(_DTYPES[x.dtype]),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def row_stats(
-    x,
-    w,
-    target,
-    *,
-    bias=None,
-    class_weight=None,
-    logit_scale=1.0,
-    softcap=None,
-    smoothing=False,
-    entropy=False,
-    argmax=False,
-    num_splits=None,
-    config=None,
-):
+def row_stats(x, w, target, *, bias=None, class_weight=None, logit_scale=1.0, softcap=None, smoothing=False,
+              entropy=False, argmax=False, num_splits=None, config=None):
     """(lse, target_logit, weighted_z_sum or None) per row, and with ``entropy`` or ``argmax`` also (entropy or
     None, argmax or None); ``target`` holds -1 for ignored rows. The splits combine as cuda_row_stats does."""
     cfg = _config(_row_stats, x, config)
@@ -136,222 +106,93 @@ def row_stats(
     splits = triton.cdiv(V, cols_per_split)
     partial = torch.empty(5, splits, N, dtype=torch.float32, device=x.device)
     arg = torch.empty(splits, N, dtype=torch.int64, device=x.device)
-    args = dict(
-        m_ptr=partial[0],
-        s_ptr=partial[1],
-        zt_ptr=partial[2],
-        wz_ptr=partial[3],
-        t_ptr=partial[4],
-        am_ptr=arg,
-        N=N,
-        V=V,
-        cols_per_split=cols_per_split,
-        has_smoothing=int(smoothing),
-        has_entropy=int(entropy),
-        has_argmax=int(argmax),
-        **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap),
-    )
+    args = dict(m_ptr=partial[0], s_ptr=partial[1], zt_ptr=partial[2], wz_ptr=partial[3], t_ptr=partial[4],
+                am_ptr=arg, N=N, V=V, cols_per_split=cols_per_split, has_smoothing=int(smoothing),
+                has_entropy=int(entropy), has_argmax=int(argmax),
+                **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     _launch(_row_stats, args, **_dot_tile_meta(cfg, x))
     # the splits combined by the library's own combination (csrc/problem.cpp, combine_row_stat_splits)
     lse, _, _, wz, ent, am = torch.ops.fused_ce._combine_row_stat_splits(
-        partial, arg, target, smoothing, entropy, argmax
-    )
+        partial, arg, target, smoothing, entropy, argmax)
     stats = (lse, partial[2].sum(0), wz if smoothing else None)
     if not (entropy or argmax):
         return stats
     return stats + (ent if entropy else None, am if argmax else None)
 
 
-def logit_grad(
-    x,
-    w,
-    target,
-    lse,
-    alpha,
-    alpha_lse,
-    beta,
-    gamma,
-    v_begin,
-    v_end,
-    *,
-    bias=None,
-    class_weight=None,
-    logit_scale=1.0,
-    softcap=None,
-    alpha_z=None,
-    smoothing=True,
-    out=None,
-):
+def logit_grad(x, w, target, lse, alpha, alpha_lse, beta, gamma, v_begin, v_end, *, bias=None,
+               class_weight=None, logit_scale=1.0, softcap=None, alpha_z=None, smoothing=True, out=None):
     """The logit gradient (see logit_grad.py) for all rows and columns [v_begin, v_end)."""
     cfg = _config(_logit_grad, x)
     N = x.shape[0]
     if out is None:
         out = torch.empty(N, v_end - v_begin, dtype=x.dtype, device=x.device)
-    args = dict(
-        lse_ptr=lse,
-        alpha_ptr=alpha,
-        alpha_lse_ptr=alpha_lse,
-        beta_ptr=beta,
-        gamma_ptr=gamma,
-        alpha_z_ptr=_placeholder(alpha, alpha_z),
-        g_ptr=out,
-        N=N,
-        v_begin=v_begin,
-        v_end=v_end,
-        stride_gn=out.stride(0),
-        has_smoothing=int(smoothing),
-        has_alpha_z=int(alpha_z is not None),
-        **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap),
-    )
+    args = dict(lse_ptr=lse, alpha_ptr=alpha, alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma,
+                alpha_z_ptr=_placeholder(alpha, alpha_z), g_ptr=out, N=N, v_begin=v_begin, v_end=v_end,
+                stride_gn=out.stride(0), has_smoothing=int(smoothing), has_alpha_z=int(alpha_z is not None),
+                **_xw_args(x, w, target, bias, class_weight, logit_scale, softcap))
     _launch(_logit_grad, args, **_dot_tile_meta(cfg, x))
     return out
 
 
 def _tile_meta(cfg, logits):
     """Launch metadata of the kernels over tiles of stored logits."""
-    return dict(
-        BLOCK_R=cfg.rows,
-        BLOCK=cfg.block,
-        FAST_TANH=_fast_tanh(logits),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    return dict(BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
 
 
 def _transform_args(logits, logit_scale, softcap, smoothing):
-    return dict(
-        logits_ptr=logits,
-        stride_ln=logits.stride(0),
-        logit_scale=float(logit_scale),
-        softcap=float(softcap or 1.0),
-        has_softcap=int(softcap is not None),
-        has_smoothing=int(smoothing),
-    )
+    return dict(logits_ptr=logits, stride_ln=logits.stride(0), logit_scale=float(logit_scale),
+                softcap=float(softcap or 1.0), has_softcap=int(softcap is not None), has_smoothing=int(smoothing))
 
 
-def stats_from_logits(
-    logits,
-    target,
-    *,
-    class_weight=None,
-    logit_scale=1.0,
-    softcap=None,
-    smoothing=False,
-    entropy=False,
-    argmax=False,
-    config=None,
-    combine_config=None,
-):
+def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, softcap=None, smoothing=False,
+                      entropy=False, argmax=False, config=None, combine_config=None):
     """(lse, target_gap, log_sum, weighted_z_sum or None) per row of stored raw logits [N, V], which stay as
     they are: logit_partials, then combine_partials (cuda_stats_from_logits; the gap is max - z_target and
     log_sum is lse - max, both without cancellation); with ``entropy`` or ``argmax`` also (entropy or None,
     argmax or None). ``config`` tiles the pass over the logits."""
     N, V = logits.shape
     cfg = _config(_logit_partials, logits, config)
-    common = dict(
-        _transform_args(logits, logit_scale, softcap, smoothing), has_entropy=int(entropy), has_argmax=int(argmax)
-    )
+    common = dict(_transform_args(logits, logit_scale, softcap, smoothing), has_entropy=int(entropy),
+                  has_argmax=int(argmax))
     segments = triton.cdiv(V, cfg.block)
     partials = torch.empty(4, N, segments, dtype=torch.float32, device=logits.device)
     arg = torch.empty(N, segments, dtype=torch.int64, device=logits.device)
-    _launch(
-        _logit_partials,
-        dict(
-            cw_ptr=_placeholder(target, class_weight),
-            pm_ptr=partials[0],
-            ps_ptr=partials[1],
-            pw_ptr=partials[2],
-            pe_ptr=partials[3],
-            pa_ptr=arg,
-            N=N,
-            V=V,
-            segments=segments,
-            has_class_weight=int(class_weight is not None),
-            **common,
-        ),
-        **_tile_meta(cfg, logits),
-        EXTRAS=entropy or argmax,
-        TRANSFORMS=softcap is not None or smoothing,
-    )
+    _launch(_logit_partials,
+            dict(cw_ptr=_placeholder(target, class_weight), pm_ptr=partials[0], ps_ptr=partials[1],
+                 pw_ptr=partials[2], pe_ptr=partials[3], pa_ptr=arg, N=N, V=V, segments=segments,
+                 has_class_weight=int(class_weight is not None), **common),
+            **_tile_meta(cfg, logits), EXTRAS=entropy or argmax, TRANSFORMS=softcap is not None or smoothing)
     cfg = _config(_combine_partials, logits, combine_config)
     stats = torch.empty(5, N, dtype=torch.float32, device=logits.device)
     am = torch.empty(N, dtype=torch.int64, device=logits.device)
-    _launch(
-        _combine_partials,
-        dict(
-            pm_ptr=partials[0],
-            ps_ptr=partials[1],
-            pw_ptr=partials[2],
-            pe_ptr=partials[3],
-            pa_ptr=arg,
-            tgt_ptr=target,
-            lse_ptr=stats[0],
-            gap_ptr=stats[1],
-            ls_ptr=stats[2],
-            wz_ptr=stats[3],
-            ent_ptr=stats[4],
-            am_ptr=am,
-            N=N,
-            segments=segments,
-            **common,
-        ),
-        BLOCK_R=cfg.rows,
-        BLOCK=cfg.block,
-        FAST_TANH=_fast_tanh(logits),
-        num_warps=cfg.num_warps,
-        EXTRAS=entropy or argmax,
-    )
+    _launch(_combine_partials,
+            dict(pm_ptr=partials[0], ps_ptr=partials[1], pw_ptr=partials[2], pe_ptr=partials[3], pa_ptr=arg,
+                 tgt_ptr=target, lse_ptr=stats[0], gap_ptr=stats[1], ls_ptr=stats[2], wz_ptr=stats[3],
+                 ent_ptr=stats[4], am_ptr=am, N=N, segments=segments, **common),
+            BLOCK_R=cfg.rows, BLOCK=cfg.block, FAST_TANH=_fast_tanh(logits), num_warps=cfg.num_warps,
+            EXTRAS=entropy or argmax)
     out = (stats[0], stats[1], stats[2], stats[3] if smoothing else None)
     if not (entropy or argmax):
         return out
     return out + (stats[4] if entropy else None, am if argmax else None)
 
 
-def softmax_grad(
-    logits,
-    target,
-    lse,
-    alpha,
-    alpha_lse,
-    beta,
-    gamma,
-    *,
-    col_offset=0,
-    class_weight=None,
-    logit_scale=1.0,
-    softcap=None,
-    smoothing=False,
-    alpha_z=None,
-    config=None,
-):
+def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offset=0, class_weight=None,
+                 logit_scale=1.0, softcap=None, smoothing=False, alpha_z=None, config=None):
     """Stored raw logits of columns [col_offset, col_offset + V) become their gradient in place, given the rows'
     lse (cuda_softmax_grad); ``class_weight`` is the slice's own ([V]). With ``smoothing`` False, gamma is taken
     as zero."""
     N, V = logits.shape
     cfg = _config(_softmax_grad, logits, config)
     segments = triton.cdiv(V, cfg.block)
-    _launch(
-        _softmax_grad,
-        dict(
-            cw_ptr=_placeholder(target, class_weight),
-            tgt_ptr=target,
-            lse_ptr=lse,
-            alpha_ptr=alpha,
-            alpha_lse_ptr=alpha_lse,
-            beta_ptr=beta,
-            gamma_ptr=gamma,
-            alpha_z_ptr=_placeholder(alpha, alpha_z),
-            N=N,
-            V=V,
-            segments=segments,
-            col_offset=col_offset,
-            has_class_weight=int(class_weight is not None),
-            **_transform_args(logits, logit_scale, softcap, smoothing),
-        ),
-        **_tile_meta(cfg, logits),
-        ALPHA_Z=alpha_z is not None,
-        TRANSFORMS=softcap is not None or smoothing,
-    )
+    _launch(_softmax_grad,
+            dict(cw_ptr=_placeholder(target, class_weight), tgt_ptr=target, lse_ptr=lse, alpha_ptr=alpha,
+                 alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, alpha_z_ptr=_placeholder(alpha, alpha_z),
+                 N=N, V=V, segments=segments, col_offset=col_offset, has_class_weight=int(class_weight is not None),
+                 **_transform_args(logits, logit_scale, softcap, smoothing)),
+            **_tile_meta(cfg, logits), ALPHA_Z=alpha_z is not None, TRANSFORMS=softcap is not None or smoothing)
     return logits
 
 
@@ -364,19 +205,8 @@ def scale_(g, scale, *, config=None, programs=None):
     return g
 
 
-def prepare_rows(
-    target,
-    V,
-    ignore_index,
-    *,
-    class_weight=None,
-    label_smoothing=0.0,
-    z_loss=0.0,
-    mean=True,
-    coefficients=False,
-    order=False,
-    config=None,
-):
+def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=0.0, z_loss=0.0, mean=True,
+                 coefficients=False, order=False, config=None):
     """(target with -1 where ignored, target weight, totals [sum wt, #valid, sum cw], #bad, #counted, coefficients
     or None, the rows counted first (csrc/targets.h) or None)."""
     N = target.shape[0]
@@ -388,52 +218,20 @@ def prepare_rows(
     counts = torch.empty(2, dtype=torch.int32, device=target.device)
     coef = torch.empty(4, N, **f32) if coefficients else torch.empty(4, 1, **f32)
     rows = torch.empty(N if order else 1, dtype=torch.int64, device=target.device)
-    _launch(
-        _prepare_rows,
-        dict(
-            tgt_ptr=target,
-            cw_ptr=_placeholder(target, class_weight),
-            tgt_out_ptr=tgt_out,
-            wt_ptr=wt,
-            totals_ptr=totals,
-            counts_ptr=counts,
-            alpha_ptr=coef[0],
-            alpha_lse_ptr=coef[1],
-            beta_ptr=coef[2],
-            gamma_ptr=coef[3],
-            order_ptr=rows,
-            N=N,
-            V=V,
-            ignore_index=ignore_index,
-            label_smoothing=float(label_smoothing),
-            z_loss=float(z_loss),
-            has_class_weight=int(class_weight is not None),
-            mean=int(mean),
-            write_coefficients=int(coefficients),
-            write_order=int(order),
-        ),
-        BLOCK=cfg.block,
-        num_warps=cfg.num_warps,
-    )
+    _launch(_prepare_rows,
+            dict(tgt_ptr=target, cw_ptr=_placeholder(target, class_weight), tgt_out_ptr=tgt_out, wt_ptr=wt,
+                 totals_ptr=totals, counts_ptr=counts, alpha_ptr=coef[0], alpha_lse_ptr=coef[1], beta_ptr=coef[2],
+                 gamma_ptr=coef[3], order_ptr=rows, N=N, V=V, ignore_index=ignore_index,
+                 label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+                 has_class_weight=int(class_weight is not None), mean=int(mean), write_coefficients=int(coefficients),
+                 write_order=int(order)),
+            BLOCK=cfg.block, num_warps=cfg.num_warps)
     bad, counted = (int(v) for v in counts.tolist())
     return tgt_out, wt, totals, bad, counted, (tuple(coef) if coefficients else None), (rows if order else None)
 
 
-def assemble_loss(
-    lse,
-    target_gap,
-    log_sum,
-    weighted_z_sum,
-    target,
-    wt,
-    totals,
-    V,
-    *,
-    label_smoothing=0.0,
-    z_loss=0.0,
-    reduction="mean",
-    config=None,
-):
+def assemble_loss(lse, target_gap, log_sum, weighted_z_sum, target, wt, totals, V, *, label_smoothing=0.0,
+                  z_loss=0.0, reduction="mean", config=None):
     """The loss from row statistics (stats_from_logits'; target: -1 where ignored; wt and totals from
     prepare_rows)."""
     N = lse.shape[0]
@@ -441,48 +239,17 @@ def assemble_loss(
     code = {"none": 0, "mean": 1, "sum": 2}[reduction]
     loss = torch.empty(N if code == 0 else 1, dtype=torch.float32, device=lse.device)
     smoothing = weighted_z_sum is not None
-    _launch(
-        _assemble_loss,
-        dict(
-            lse_ptr=lse,
-            gap_ptr=target_gap,
-            ls_ptr=log_sum,
-            wz_ptr=_placeholder(lse, weighted_z_sum),
-            tgt_ptr=target,
-            wt_ptr=wt,
-            totals_ptr=totals,
-            loss_ptr=loss,
-            N=N,
-            V=V,
-            label_smoothing=float(label_smoothing),
-            z_loss=float(z_loss),
-            has_smoothing=int(smoothing),
-            reduction=code,
-        ),
-        BLOCK=cfg.block,
-        num_warps=cfg.num_warps,
-    )
+    _launch(_assemble_loss,
+            dict(lse_ptr=lse, gap_ptr=target_gap, ls_ptr=log_sum, wz_ptr=_placeholder(lse, weighted_z_sum),
+                 tgt_ptr=target, wt_ptr=wt, totals_ptr=totals, loss_ptr=loss, N=N, V=V,
+                 label_smoothing=float(label_smoothing), z_loss=float(z_loss), has_smoothing=int(smoothing),
+                 reduction=code),
+            BLOCK=cfg.block, num_warps=cfg.num_warps)
     return loss if code == 0 else loss[0]
 
 
-def distill_rows(
-    stage,
-    zs,
-    zt,
-    stats,
-    coef,
-    target,
-    *,
-    divergence,
-    beta=0.0,
-    temperature=1.0,
-    hard=False,
-    logit_scale=1.0,
-    softcap=None,
-    teacher_logit_scale=1.0,
-    teacher_softcap=None,
-    config=None,
-):
+def distill_rows(stage, zs, zt, stats, coef, target, *, divergence, beta=0.0, temperature=1.0, hard=False,
+                 logit_scale=1.0, softcap=None, teacher_logit_scale=1.0, teacher_softcap=None, config=None):
     """One stage of the distillation loss over a block of stored raw logits (csrc/distillation_cuda.cpp): zs, zt
     [N, V] (zt None: the teacher's top k), stats [9, N] and coef [2, N] float32, target [N] int64 (this shard's
     column or -1). Stage 2 turns zs into its gradient in place."""
@@ -490,34 +257,14 @@ def distill_rows(
     cfg = _config(_distill_rows, zs, config)
     has_teacher = zt is not None
     zt = zs if zt is None else zt
-    _launch(
-        _distill_rows,
-        dict(
-            zs_ptr=zs,
-            zt_ptr=zt,
-            stats_ptr=stats,
-            coef_ptr=coef,
-            tgt_ptr=target,
-            N=N,
-            V=V,
-            stride_s=zs.stride(0),
-            stride_t=zt.stride(0),
-            inv_t=1.0 / temperature,
-            s_scale=float(logit_scale),
-            s_softcap=float(softcap or 1.0),
-            t_scale=float(teacher_logit_scale),
-            t_softcap=float(teacher_softcap or 1.0),
-            log_1mb=math.log1p(-beta) if beta < 1 else 0.0,
-            log_b=math.log(beta) if beta > 0 else 0.0,
-            stage=stage,
-            divergence=divergence,
-            has_teacher=int(has_teacher),
-            hard=int(hard),
-            has_s_softcap=int(softcap is not None),
-            has_t_softcap=int(teacher_softcap is not None),
-        ),
-        BLOCK=cfg.block,
-        num_warps=cfg.num_warps,
-        FAST_TANH=_fast_tanh(zs),
-    )
+    _launch(_distill_rows,
+            dict(zs_ptr=zs, zt_ptr=zt, stats_ptr=stats, coef_ptr=coef, tgt_ptr=target, N=N, V=V,
+                 stride_s=zs.stride(0), stride_t=zt.stride(0), inv_t=1.0 / temperature, s_scale=float(logit_scale),
+                 s_softcap=float(softcap or 1.0), t_scale=float(teacher_logit_scale),
+                 t_softcap=float(teacher_softcap or 1.0), log_1mb=math.log1p(-beta) if beta < 1 else 0.0,
+                 log_b=math.log(beta) if beta > 0 else 0.0, stage=stage, divergence=divergence,
+                 has_teacher=int(has_teacher), hard=int(hard), has_s_softcap=int(softcap is not None),
+                 has_t_softcap=int(teacher_softcap is not None)),
+            BLOCK=cfg.block, num_warps=cfg.num_warps, FAST_TANH=_fast_tanh(zs))
     return zs
+
