@@ -19,10 +19,12 @@ namespace fused_ce {
 bool needs_autograd(const char* caller, const Linear& l) {
   // Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) has no formula here: an error, never a zero tangent.
   const auto dual = [](const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); };
-  TORCH_CHECK_NOT_IMPLEMENTED(!dual(l.input) && !dual(l.weight) && !dual(l.bias), "fused_ce.", caller,
-                              ": forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported");
-  const bool differentiable =
-      l.input.requires_grad() || l.weight.requires_grad() || (l.bias.defined() && l.bias.requires_grad());
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !dual(l.input) && !dual(l.weight) && !dual(l.bias) && !dual(l.low_rank_input) && !dual(l.low_rank_weight),
+      "fused_ce.", caller, ": forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported");
+  const auto wants_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+  const bool differentiable = wants_grad(l.input) || wants_grad(l.weight) || wants_grad(l.bias) ||
+                              wants_grad(l.low_rank_input) || wants_grad(l.low_rank_weight);
   if (!at::GradMode::is_enabled() || !differentiable) return false;
   // torch.func's transforms (grad, vjp, jacrev, vmap) cannot run a C++ autograd function: say so in our words
   // (torch's own message names no op).
@@ -47,29 +49,31 @@ void check_not_differentiable(const char* caller, const char* name, const std::o
               "; it cannot have requires_grad=True (detach it)");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> scaled_forward_grads(std::optional<variable_list> used_up,
-                                                                    const std::function<variable_list()>& recompute,
-                                                                    const Linear& l, at::Tensor grad_loss,
-                                                                    const Mask& mask) {
+variable_list scaled_forward_grads(std::optional<variable_list> used_up,
+                                   const std::function<variable_list()>& recompute, const Linear& l,
+                                   at::Tensor grad_loss, const Mask& mask) {
   variable_list list = used_up ? std::move(*used_up) : recompute();
   static auto scale_op = op_handle("fused_ce::_scale_grad_").typed<decltype(_scale_grad_)>();
   if (!grad_loss.defined()) grad_loss = at::zeros({}, l.input.options().dtype(at::kFloat));
-  const std::array<at::ScalarType, 3> dtypes{l.input.scalar_type(), l.weight.scalar_type(),
-                                             l.bias.defined() ? l.bias.scalar_type() : at::kFloat};
   // float16's dW comes times a power of two (linear_cross_entropy_with_grad's grad_weight_scale)
   const bool weight_scaled = list.size() > 3 && list[3].numel() == 1;
-  for (int i = 0; i < 3; ++i) {
-    if (!mask[i]) continue;
+  const bool low_rank = list.size() > 5 && l.low_rank_input.defined();
+  variable_list out{list[0], list[1], list[2]};
+  const at::Tensor arguments[5] = {l.input, l.weight, l.bias, l.low_rank_input, l.low_rank_weight};
+  for (int i = 0; i < (low_rank ? 5 : 3); ++i) {
+    at::Tensor& g = i < 3 ? out[i] : out.emplace_back(list[i + 1]);  // (the low-rank term's after dW's scale)
+    if (i < 3 && !mask[i]) continue;
+    const at::ScalarType dtype = arguments[i].defined() ? arguments[i].scalar_type() : at::kFloat;
     if (i == 1 && weight_scaled) {
-      scale_op.call(list[i], grad_loss / list[3]);
-    } else if (list[i].scalar_type() == dtypes[i]) {
-      scale_op.call(list[i], grad_loss);
+      scale_op.call(g, grad_loss / list[3]);
+    } else if (g.scalar_type() == dtype) {
+      scale_op.call(g, grad_loss);
     } else {
-      at::Tensor rounded = at::empty_like(list[i], list[i].options().dtype(dtypes[i]));
-      list[i] = at::mul_out(rounded, list[i], grad_loss);
+      at::Tensor rounded = at::empty_like(g, g.options().dtype(dtype));
+      g = at::mul_out(rounded, g, grad_loss);
     }
   }
-  return {list[0], list[1], list[2]};
+  return out;
 }
 
 namespace {
@@ -96,10 +100,11 @@ struct CrossEntropyOp : torch::CustomClassHolder {
   variable_list with_grad(const Linear& l, const Mask& mask, variable_list* grads) const {
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_with_grad").typed<decltype(linear_cross_entropy_with_grad)>();
-    auto [loss, lse, entropy, argmax, gx, gw, gb, gw_scale] = o.apply([&](auto... options) {
-      return op.call(l.input, l.weight, target(), optional(l.bias), weight(), mask, options...);
+    auto [loss, lse, entropy, argmax, gx, gw, gb, gw_scale, gu, gb_low_rank] = o.apply([&](auto... options) {
+      return op.call(l.input, l.weight, target(), optional(l.bias), weight(), mask, options...,
+                     optional(l.low_rank_input), optional(l.low_rank_weight));
     });
-    *grads = {gx, gw, gb, gw_scale};
+    *grads = {gx, gw, gb, gw_scale, gu, gb_low_rank};
     return {loss, lse, entropy, argmax};
   }
 
@@ -111,7 +116,8 @@ struct CrossEntropyOp : torch::CustomClassHolder {
       static auto op = op_handle("fused_ce::_linear_cross_entropy_keeping_logits")
                            .typed<decltype(_linear_cross_entropy_keeping_logits)>();
       auto [loss, lse, entropy, argmax, logits] = o.apply([&](auto... options) {
-        return op.call(l.input, l.weight, target(), optional(l.bias), weight(), options...);
+        return op.call(l.input, l.weight, target(), optional(l.bias), weight(), options..., optional(l.low_rank_input),
+                       optional(l.low_rank_weight));
       });
       f.outputs = {loss, lse, entropy, argmax};
       if (logits.sym_size(0) != 0) f.used_up = {logits};  // (none kept: the backward recomputes them)
@@ -121,12 +127,16 @@ struct CrossEntropyOp : torch::CustomClassHolder {
     return f;
   }
 
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Linear& l, const variable_list& saved,
-                                                          const variable_list& grads, const Mask& mask,
-                                                          std::optional<variable_list> used_up) const {
+  variable_list backward(const Linear& l, const variable_list& saved, const variable_list& grads, const Mask& mask,
+                         std::optional<variable_list> used_up) const {
     const at::Tensor &lse = saved[0], &entropy = saved[1];
+    const auto as_list = [](const CrossEntropyGrads& g) {
+      return variable_list{std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g), std::get<4>(g)};
+    };
     at::Tensor grad_loss = grads[0];
-    const at::Tensor &grad_lse = grads[1], &grad_entropy = grads[2];
+    const at::Tensor& grad_lse = grads[1];
+    // (an entropy not asked for is an empty output: a gradient on it is no gradient)
+    const at::Tensor grad_entropy = o.return_entropy ? grads[2] : at::Tensor();
     if (gradients_in_forward(l.input) && !grad_lse.defined() && !grad_entropy.defined()) {
       const auto recompute = [&] {
         at::AutoDispatchBelowADInplaceOrView guard;
@@ -141,17 +151,19 @@ struct CrossEntropyOp : torch::CustomClassHolder {
       static auto op = op_handle("fused_ce::_linear_cross_entropy_backward_from_logits")
                            .typed<decltype(_linear_cross_entropy_backward_from_logits)>();
       at::Tensor& logits = (*used_up)[0];
-      return o.apply([&](auto... options) {
+      return as_list(o.apply([&](auto... options) {
         return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), logits, l.input, l.weight, target(),
-                       optional(l.bias), weight(), lse, optional(entropy), mask, options...);
-      });
+                       optional(l.bias), weight(), lse, optional(entropy), mask, options..., optional(l.low_rank_input),
+                       optional(l.low_rank_weight));
+      }));
     }
     static auto op =
         op_handle("fused_ce::linear_cross_entropy_backward").typed<decltype(linear_cross_entropy_backward)>();
-    return o.apply([&](auto... options) {
+    return as_list(o.apply([&](auto... options) {
       return op.call(grad_loss, optional(grad_lse), optional(grad_entropy), l.input, l.weight, target(),
-                     optional(l.bias), weight(), lse, optional(entropy), mask, options...);
-    });
+                     optional(l.bias), weight(), lse, optional(entropy), mask, options..., optional(l.low_rank_input),
+                     optional(l.low_rank_weight));
+    }));
   }
 };
 
@@ -183,9 +195,8 @@ struct PolicyLossOp : torch::CustomClassHolder {
     return f;
   }
 
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Linear& l, const variable_list&,
-                                                          const variable_list& grads, const Mask& mask,
-                                                          std::optional<variable_list> used_up) const {
+  variable_list backward(const Linear& l, const variable_list&, const variable_list& grads, const Mask& mask,
+                         std::optional<variable_list> used_up) const {
     const auto recompute = [&] {
       variable_list again;
       with_grad(l, mask, &again);
@@ -199,25 +210,27 @@ struct PolicyLossOp : torch::CustomClassHolder {
 
 AllOutputs call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-                        const LossOptions& o) {
+                        const LossOptions& o FUSED_CE_LOW_RANK_PARAMS) {
   static auto op = op_handle("fused_ce::_linear_cross_entropy").typed<decltype(_linear_cross_entropy)>();
-  return o.apply(
-      [&](auto... options) { return op.call(input, linear_weight, target, linear_bias, weight, options...); });
+  return o.apply([&](auto... options) {
+    return op.call(input, linear_weight, target, linear_bias, weight, options..., low_rank_input, low_rank_weight);
+  });
 }
 
 AllOutputs _linear_cross_entropy_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
                                           const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
-                                          const std::optional<at::Tensor>& weight
-                                              FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+                                          const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
+                                              FUSED_CE_LOW_RANK_PARAMS) {
   LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   const std::string function(o.caller);
   check_not_differentiable(function.c_str(), "weight", weight, " (class weights)");
-  const Linear l{input, linear_weight, linear_bias.value_or(at::Tensor())};
+  const Linear l{input, linear_weight, linear_bias.value_or(at::Tensor()), low_rank_input.value_or(at::Tensor()),
+                 low_rank_weight.value_or(at::Tensor())};
   if (!needs_autograd(function.c_str(), l)) {  // no gradient work at all
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_loss_op(input, linear_weight, target, linear_bias, weight, o);
+    return call_loss_op(input, linear_weight, target, linear_bias, weight, o, low_rank_input, low_rank_weight);
   }
-  auto out = OpFunction<CrossEntropyOp>::apply(input, linear_weight, linear_bias,
+  auto out = OpFunction<CrossEntropyOp>::apply(input, linear_weight, linear_bias, low_rank_input, low_rank_weight,
                                                c10::make_intrusive<CrossEntropyOp>(target, weight, std::move(o)));
   return {out[0], out[1], out[2], out[3]};
 }
@@ -289,7 +302,7 @@ PolicyOutputs linear_policy_loss_autograd(
     const auto out = op->with_grad(l, {false, false, false}, nullptr);
     return {out[0], out[1]};
   }
-  auto out = OpFunction<PolicyLossOp>::apply(input, linear_weight, linear_bias, op);
+  auto out = OpFunction<PolicyLossOp>::apply(input, linear_weight, linear_bias, std::nullopt, std::nullopt, op);
   return {out[0], out[1]};
 }
 

@@ -42,6 +42,7 @@ class Workspace {
 // rows' tiles and buffers take the kept tensor's storage after them (Pass::BackwardFromLogits' plan).
 Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                          GradMask need, const at::Tensor& kept = {}) {
+  TORCH_CHECK(!p.low_rank.defined(), "fused_ce: a low-rank term's gradients run on the ATen stages (plan.cpp)");
   const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
   Grads g = allocate_grads(p, plan, need);
   if (p.N == 0 || !(need_x || need_w || need_b)) return g;
@@ -132,7 +133,8 @@ at::Tensor weight_grad_by_slices(const Problem& p, const LossOptions& o, const P
   slice_options.workspace_bytes =
       std::max(plan.budget_bytes - classes * p.D * int64_t{sizeof(float)}, plan.budget_bytes / 2);
   for (int64_t v0 = 0; v0 < p.V; v0 += classes) {
-    const Problem slice = p.cols(v0, std::min(p.V, v0 + classes));
+    Problem slice = p.cols(v0, std::min(p.V, v0 + classes));
+    slice.low_rank.grads = false;  // (the row blocks form them)
     Plan slice_plan = make_plan(slice, slice_options, plan.device, Pass::Backward);
     slice_plan.weight_grad_slice_classes = 0;
     slice_plan.grad_weight_dtype = at::kFloat;
@@ -159,7 +161,7 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
     const int64_t ld = (plan.tile_cols + 63) / 64 * 64;  // aligned rows for the kernel's stores and for cuBLAS
     block_buffer = at::empty({plan.block_rows, ld}, opts.dtype(gemm_dtype));
   }
-  for (int64_t r0 = 0; r0 < p.N && (need_x || need_w || need_b); r0 += plan.block_rows) {
+  for (int64_t r0 = 0; r0 < p.N && (need_x || need_w || need_b || g.low_rank_input.defined()); r0 += plan.block_rows) {
     const int64_t r1 = std::min(p.N, r0 + plan.block_rows);
     const Problem pr = p.block(r0, r1);
     const GradCoefficients cr = c.block(r0, r1);
@@ -177,6 +179,7 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
       if (need_x) gemm_into(gx, block, p.w.narrow(0, v0, v1 - v0), v0 > 0);
       if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), x, r0 > 0);
       if (need_b) add_column_sums(g.bias.narrow(0, v0, v1 - v0), block, ones);
+      add_low_rank_grads(p, g, pr.cols(v0, v1), block, r0, v0);
     }
     if (need_x) scatter_input_grad(p, g.input, gx, r0);
   }

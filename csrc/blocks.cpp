@@ -120,6 +120,10 @@ Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need) {
                         : at::empty({p.V, p.D}, opts.dtype(plan.grad_weight_dtype));
   }
   if (need[2] && p.bias.defined()) g.bias = at::zeros({p.V}, opts.dtype(loss_dtype(p)));
+  if (p.low_rank.defined() && p.low_rank.grads) {
+    g.low_rank_input = at::zeros(p.low_rank.input.sizes(), opts.dtype(loss_dtype(p)));
+    g.low_rank_weight = at::zeros(p.low_rank.weight.sizes(), opts.dtype(loss_dtype(p)));
+  }
   return g;
 }
 
@@ -131,6 +135,23 @@ at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::T
 
 void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0) {
   if (p.row_index.defined()) grad_input.index_copy_(0, p.row_index.narrow(0, r0, rows.size(0)), rows);
+}
+
+void add_low_rank_grads(const Problem& p, const Grads& g, const Problem& pt, const at::Tensor& block, int64_t r0,
+                        int64_t v0, double alpha) {
+  if (!g.low_rank_input.defined()) return;
+  // In the block's dtype (the rank-r operands converted: small), each product then added to the accumulators: a
+  // mixed-dtype product would convert the block instead (gemm_into), beyond the budget.
+  const auto as_block = [&](const at::Tensor& t) { return t.to(block.scalar_type()); };
+  const at::Tensor input_part = at::mm(block, as_block(pt.low_rank.weight));
+  const int64_t rows = block.size(0);
+  if (p.row_index.defined()) {
+    g.low_rank_input.index_add_(0, p.row_index.narrow(0, r0, rows), input_part.to(g.low_rank_input.scalar_type()),
+                                alpha);
+  } else {
+    g.low_rank_input.narrow(0, r0, rows).add_(input_part, alpha);
+  }
+  g.low_rank_weight.narrow(0, v0, block.size(1)).add_(at::mm(block.t(), as_block(pt.low_rank.input)), alpha);
 }
 
 }  // namespace fused_ce

@@ -13,9 +13,11 @@
 namespace fused_ce {
 
 // Gradients of the 2-D problem ([N, D], [V, D], [V]), in the plan's
-// accumulation dtypes; undefined where not asked for.
+// accumulation dtypes; undefined where not asked for. With a low-rank term (Problem::low_rank, whose `grads`
+// asks for both), its input's and weight's ([N, r], [V, r]) in the loss dtype, summed over the blocks.
 struct Grads {
   at::Tensor input, weight, bias;
+  at::Tensor low_rank_input, low_rank_weight;
 };
 // Which gradients are asked for: input, linear_weight, linear_bias (only with a bias).
 using GradMask = std::array<bool, 3>;
@@ -32,6 +34,11 @@ Grads allocate_grads(const Problem& p, const Plan& plan, GradMask need);
 // their rows of grad_input.
 at::Tensor input_grad_rows(const Problem& p, const at::Tensor& grad_input, at::Tensor& buffer, int64_t r0, int64_t r1);
 void scatter_input_grad(const Problem& p, const at::Tensor& grad_input, const at::Tensor& rows, int64_t r0);
+// The low-rank term's gradients from the gradient block of p's rows [r0, r0 + block rows) and the classes of pt
+// (the block's problem, its classes from v0 of p's): d input += alpha * block @ weight, d weight += alpha *
+// block.T @ input (selected rows: scattered to their rows). Nothing without a low-rank term.
+void add_low_rank_grads(const Problem& p, const Grads& g, const Problem& pt, const at::Tensor& block, int64_t r0,
+                        int64_t v0, double alpha = 1.0);
 // p as the kernels over logits stored at plan.logits_scale see it (logit_scale / logits_scale).
 Problem reading_stored_logits(const Problem& p, const Plan& plan);
 // Row stats from blocks of `block_rows` rows of stored logits (StoredLogits, and VocabTiles' stats pass), the

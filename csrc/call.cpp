@@ -93,6 +93,8 @@ Call::Call(const LossInputs& in, LossOptions loss_options, Pass pass, const Targ
       input_shape_(in.input.sizes().vec()),
       input_dtype_(in.input.scalar_type()),
       weight_dtype_(in.linear_weight.scalar_type()) {
+  with_low_rank(problem, in.input, in.low_rank_input, in.low_rank_weight, options);
+  if (problem.low_rank.defined()) low_rank_shape_ = in.low_rank_input->sizes().vec();
   prepare(pass, targets, kept, every_row);
 }
 
@@ -169,6 +171,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Call::grads(const Grads& g, bool 
   return {g.input.defined() ? to(g.input, input_dtype_).reshape(input_shape_) : none(),
           g.weight.defined() ? to(g.weight, weight_dtype_) : none(),
           g.bias.defined() ? to(g.bias, problem.bias.scalar_type()) : none()};
+}
+
+std::tuple<at::Tensor, at::Tensor> Call::low_rank_grads(const Grads& g, bool keep_dtypes) const {
+  if (!g.low_rank_input.defined()) return {at::empty({0}, problem.x.options()), at::empty({0}, problem.x.options())};
+  const auto to = [&](const at::Tensor& t) { return keep_dtypes ? t : t.to(input_dtype_); };
+  return {to(g.low_rank_input).reshape(low_rank_shape_), to(g.low_rank_weight)};
 }
 
 }  // namespace fused_ce

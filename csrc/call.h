@@ -24,6 +24,10 @@ struct LossInputs {
   const at::Tensor& target;
   const std::optional<at::Tensor>& linear_bias;
   const std::optional<at::Tensor>& weight;
+  // the cross-entropy ops' low-rank term of the logits (Problem::low_rank), where given
+  const std::optional<at::Tensor>& low_rank_input = kNone;
+  const std::optional<at::Tensor>& low_rank_weight = kNone;
+  static inline const std::optional<at::Tensor> kNone;
 };
 
 class Call {
@@ -69,11 +73,14 @@ class Call {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs(const RowStats& run_stats) const;
   // The executors' gradients in the arguments' shapes and dtypes; with `keep_dtypes` in their own.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> grads(const Grads& g, bool keep_dtypes = false) const;
+  // The low-rank term's gradients shaped as its arguments (empty without one), in their dtype; with `keep_dtypes`
+  // in the loss dtype.
+  std::tuple<at::Tensor, at::Tensor> low_rank_grads(const Grads& g, bool keep_dtypes = false) const;
 
  private:
   void prepare(Pass pass, const Targets& targets, int64_t kept, bool every_row);
 
-  std::vector<int64_t> target_shape_, input_shape_;
+  std::vector<int64_t> target_shape_, input_shape_, low_rank_shape_;
   at::ScalarType input_dtype_, weight_dtype_;
 };
 

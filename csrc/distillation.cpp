@@ -146,9 +146,8 @@ struct DistillationOp : torch::CustomClassHolder {
     return f;
   }
 
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Linear& l, const variable_list&,
-                                                          const variable_list& grads, const Mask& mask,
-                                                          std::optional<variable_list> used_up) const {
+  variable_list backward(const Linear& l, const variable_list&, const variable_list& grads, const Mask& mask,
+                         std::optional<variable_list> used_up) const {
     if (scalar) {
       const auto recompute = [&] {
         const variable_list all = with_grad(l, at::Tensor(), mask);
@@ -187,7 +186,8 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss_autograd(
       std::array<OptionalTensor, 6>{teacher_input, teacher_weight, target, teacher_bias, teacher_top_indices,
                                     teacher_top_log_probs},
       std::move(options), reduction != "none");
-  const variable_list out = OpFunction<DistillationOp>::apply(input, linear_weight, linear_bias, op);
+  const variable_list out =
+      OpFunction<DistillationOp>::apply(input, linear_weight, linear_bias, std::nullopt, std::nullopt, op);
   return {out[0], out[1]};
 }
 

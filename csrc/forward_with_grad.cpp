@@ -96,6 +96,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     }
     if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, weight_alpha);
     if (need[2]) add_column_sums(g.bias, block, ones, unscale);
+    add_low_rank_grads(p, g, pr, block, r0, 0, unscale);
   }
   return {s, g};
 }
@@ -105,6 +106,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
 // products with W and X.
 std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
                                        const CoefficientSource& c, GradMask need) {
+  TORCH_CHECK(!p.low_rank.defined(), "fused_ce: a low-rank term's gradients run on the ATen stages (plan.cpp)");
   const RowStats s = stats_from_stored_logits(p, o, plan, plan.stats_block_rows);
   if (o.vocab_parallel()) combine_vocab_shards(p, s, o);
   const int64_t rows = plan.block_rows, cols = plan.tile_cols;

@@ -49,22 +49,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(const
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
-    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  return forward_outputs({input, linear_weight, target, linear_bias, weight},
+  return forward_outputs({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight},
                          LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
-    const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
-    const std::optional<at::Tensor>& grad_entropy, const at::Tensor& input, const at::Tensor& linear_weight,
-    const at::Tensor& target, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-    const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
-    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+CrossEntropyGrads linear_cross_entropy_backward(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+                                                const std::optional<at::Tensor>& grad_entropy, const at::Tensor& input,
+                                                const at::Tensor& linear_weight, const at::Tensor& target,
+                                                const std::optional<at::Tensor>& linear_bias,
+                                                const std::optional<at::Tensor>& weight, const at::Tensor& lse,
+                                                const std::optional<at::Tensor>& entropy,
+                                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
+                                                    FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   // (the forward checked these targets; ignored rows have no gradient unless their lse has one)
   const bool lse_grad = grad_lse && grad_lse->defined();
-  const Call call({input, linear_weight, target, linear_bias, weight},
+  const Call call({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight},
                   LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::Backward, {/*check=*/false}, -1,
                   /*every_row=*/lse_grad);
   GradCoefficients c = grad_coefficients(call.problem, call.options, grad_loss, grad_lse, grad_entropy,
@@ -75,19 +77,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   const bool slices = output_mask[1] && call.plan.weight_grad_slice_classes > 0;
   Grads g = recomputed_grads(shard, call.options, call.plan, run, without_weight_grad(output_mask, slices));
   if (slices) g.weight = weight_grad_by_slices(shard, call.options, call.plan, run);
-  return call.grads(g);
+  return std::tuple_cat(call.grads(g), call.low_rank_grads(g));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_keeping_logits(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias,
-    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
-  const std::optional<c10::SymInt> kept = kept_logit_rows(input, linear_weight, target, o, device_facts(input));
+  // (a low-rank term runs on the ATen stages, which keep no logits: plan.cpp)
+  const bool low_rank = low_rank_input && low_rank_input->defined();
+  const std::optional<c10::SymInt> kept =
+      low_rank ? std::nullopt : kept_logit_rows(input, linear_weight, target, o, device_facts(input));
   if (!kept) {  // none kept: the forward alone
-    return std::tuple_cat(forward_outputs({input, linear_weight, target, linear_bias, weight}, std::move(o)),
-                          std::make_tuple(at::empty({0, linear_weight.size(0)}, input.options())));
+    return std::tuple_cat(
+        forward_outputs({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight},
+                        std::move(o)),
+        std::make_tuple(at::empty({0, linear_weight.size(0)}, input.options())));
   }
   const int64_t capacity = kept->guard_int(__FILE__, __LINE__);
   const Call call({input, linear_weight, target, linear_bias, weight}, std::move(o), Pass::ForwardKeepingLogits, {},
@@ -118,20 +125,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_c
   return {call.loss(s), lse, entropy, argmax, logits};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_backward_from_logits(
+CrossEntropyGrads _linear_cross_entropy_backward_from_logits(
     const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& grad_entropy, at::Tensor& logits, const at::Tensor& input,
     const at::Tensor& linear_weight, const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
     const std::optional<at::Tensor>& weight, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
-    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+  const bool lse_of_ignored = grad_lse && grad_lse->defined();
+  if (low_rank_input && low_rank_input->defined()) {  // (the forward kept none: plan.cpp)
+    return linear_cross_entropy_backward(grad_loss, grad_lse, grad_entropy, input, linear_weight, target, linear_bias,
+                                         weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS),
+                                         low_rank_input, low_rank_weight);
+  }
   const Call call({input, linear_weight, target, linear_bias, weight},
                   LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::BackwardFromLogits,
                   {/*check=*/false}, logits.size(0));
-  if (grad_lse && grad_lse->defined() && !(call.counted_rows.known() && call.counted_rows.counted == call.problem.N)) {
+  if (lse_of_ignored && !(call.counted_rows.known() && call.counted_rows.counted == call.problem.N)) {
     // the lse of ignored rows has a gradient, and their logits may not have been kept: computed again
     return linear_cross_entropy_backward(grad_loss, grad_lse, grad_entropy, input, linear_weight, target, linear_bias,
-                                         weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS));
+                                         weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS),
+                                         low_rank_input, low_rank_weight);
   }
   GradCoefficients c = grad_coefficients(call.problem, call.options, grad_loss, grad_lse, grad_entropy,
                                          entropy ? *entropy : at::Tensor());
@@ -142,19 +156,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_backward_fr
   Grads g =
       grads_from_kept_logits(shard, call.options, call.plan, run, without_weight_grad(output_mask, slices), logits);
   if (slices) g.weight = weight_grad_by_slices(shard, call.options, call.plan, run);
-  return call.grads(g);
+  return std::tuple_cat(call.grads(g), call.low_rank_grads(g));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor>
 linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-                               std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)) {
+                               std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
+                                   FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
   TORCH_CHECK_VALUE(o.scalar(), "fused_ce::linear_cross_entropy_with_grad: reduction must be 'mean' or 'sum'");
   GradCoefficients unit;
-  const Call call({input, linear_weight, target, linear_bias, weight}, std::move(o), Pass::ForwardWithGrad,
-                  {/*check=*/true, &unit});
+  const Call call({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight}, std::move(o),
+                  Pass::ForwardWithGrad, {/*check=*/true, &unit});
   CoefficientSource source;
   source.fixed = call.of_run(unit);
   const Problem shard = call.shard();
@@ -178,8 +194,9 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
       gw_scale = at::ones({}, gw_scale.options());
     }
   }
+  const auto [gu, gb_low_rank] = call.low_rank_grads(g, half);
   const auto [lse, entropy, argmax] = call.outputs(s);
-  return {call.loss(s), lse, entropy, argmax, gx, gw, gb, gw_scale};
+  return {call.loss(s), lse, entropy, argmax, gx, gw, gb, gw_scale, gu, gb_low_rank};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_policy_loss_with_grad(
@@ -235,26 +252,34 @@ void _plan(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto args = torch::jit::last(*stack, n);
   const at::Tensor input = args[0].toTensor(), linear_weight = args[1].toTensor(), target = args[2].toTensor();
   const auto linear_bias = args[4].toOptional<at::Tensor>(), weight = args[5].toOptional<at::Tensor>();
-  const LossOptions o = LossOptions::from_ivalues(args.slice(6));
+  const auto low_rank_input = args[n - 2].toOptional<at::Tensor>(),
+             low_rank_weight = args[n - 1].toOptional<at::Tensor>();
+  const LossOptions o = LossOptions::from_ivalues(args.slice(6, n - 8));
+  const auto wants_grad = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
   const DeviceFacts device = device_facts(input);
   // "first": the pass a call with these arguments runs first, chosen as the ops choose it (the autograd formula's
   // gradients_in_forward, then whether the per-token loss keeps its logits: kept_logit_rows)
-  const bool differentiable =
-      at::GradMode::is_enabled() && (input.requires_grad() || linear_weight.requires_grad() ||
-                                     (linear_bias && linear_bias->defined() && linear_bias->requires_grad()));
-  const Pass pass = args[3].toStringView() != "first"                          ? parse_pass(args[3].toStringView())
-                    : !differentiable                                          ? Pass::Forward
-                    : gradients_in_forward(o, input)                           ? Pass::ForwardWithGrad
-                    : kept_logit_rows(input, linear_weight, target, o, device) ? Pass::ForwardKeepingLogits
-                                                                               : Pass::Forward;
+  const bool differentiable = at::GradMode::is_enabled() &&
+                              (input.requires_grad() || linear_weight.requires_grad() || wants_grad(linear_bias) ||
+                               wants_grad(low_rank_input) || wants_grad(low_rank_weight));
+  // (a low-rank term keeps no logits: _linear_cross_entropy_keeping_logits)
+  const auto kept_logits = [&]() -> std::optional<c10::SymInt> {
+    if (low_rank_input && low_rank_input->defined()) return std::nullopt;
+    return kept_logit_rows(input, linear_weight, target, o, device);
+  };
+  const Pass pass = args[3].toStringView() != "first" ? parse_pass(args[3].toStringView())
+                    : !differentiable                 ? Pass::Forward
+                    : gradients_in_forward(o, input)  ? Pass::ForwardWithGrad
+                    : kept_logits()                   ? Pass::ForwardKeepingLogits
+                                                      : Pass::Forward;
   // (the kept passes: the rows the forward's kept tensor would have; none kept: Backward's kept tensor has no
   // rows, the forward plans every row)
   const bool kept_pass = pass == Pass::BackwardFromLogits || pass == Pass::ForwardKeepingLogits;
-  const std::optional<c10::SymInt> kept_rows =
-      kept_pass ? kept_logit_rows(input, linear_weight, target, o, device) : std::nullopt;
+  const std::optional<c10::SymInt> kept_rows = kept_pass ? kept_logits() : std::nullopt;
   const int64_t kept = kept_rows ? kept_rows->guard_int(__FILE__, __LINE__) : pass == Pass::BackwardFromLogits ? 0 : -1;
   // the op's own pipeline up to its plan (the targets unchecked: a plan of expanded tensors reads none)
-  const Call call({input, linear_weight, target, linear_bias, weight}, o, pass, {/*check=*/false}, kept);
+  const Call call({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight}, o, pass,
+                  {/*check=*/false}, kept);
   const Plan& plan = call.plan;
   torch::jit::drop(*stack, n);
   for (auto& [name, value] : plan_fields(plan)) stack->push_back(std::move(value));
@@ -263,7 +288,7 @@ void _plan(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 std::string plan_schema() {
   std::string schema =
       "_plan(Tensor input, Tensor linear_weight, Tensor target, str pass_, Tensor? linear_bias=None, "
-      "Tensor? weight=None" FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) ") -> (";
+      "Tensor? weight=None" FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_SCHEMA ") -> (";
   const char* separator = "";
   for (const auto& [name, value] : plan_fields(Plan{})) {
     const char* type = value.isString() ? "str" : value.isBool() ? "bool" : value.isInt() ? "int" : "float";

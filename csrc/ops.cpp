@@ -25,8 +25,8 @@ namespace {
 
 // The arguments autocast casts: each linear map's (the student's and, for distillation, the teacher's).
 bool linear_operand(const std::string& name) {
-  for (const char* operand :
-       {"input", "linear_weight", "linear_bias", "teacher_input", "teacher_weight", "teacher_bias"}) {
+  for (const char* operand : {"input", "linear_weight", "linear_bias", "low_rank_input", "low_rank_weight",
+                              "teacher_input", "teacher_weight", "teacher_bias"}) {
     if (name == operand) return true;
   }
   return false;
@@ -56,11 +56,12 @@ void autocast_linear_operands(const c10::OperatorHandle& op, torch::jit::Stack* 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_LOG_PROB_OPTIONS)
-        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const TemperedLogits tempered = at_temperature("linear_log_probs", temperature, softcap, logit_scale);
   const LossOptions o = log_prob_options("linear_log_probs", "none", tempered, ignore_index, workspace_bytes,
                                          return_entropy, return_argmax FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
-  const auto [loss, lse, entropy, argmax] = call_loss_op(input, linear_weight, target, linear_bias, std::nullopt, o);
+  const auto [loss, lse, entropy, argmax] =
+      call_loss_op(input, linear_weight, target, linear_bias, std::nullopt, o, low_rank_input, low_rank_weight);
   return {loss.neg(), entropy, argmax};
 }
 
@@ -127,36 +128,39 @@ bool _cuda_kernels_embedded(at::Device device, at::ScalarType dtype) {
 #define FUSED_CE_BACKWARD_TENSORS                                                                                \
   "Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, Tensor? weight, Tensor lse, Tensor? " \
   "entropy, bool[3] output_mask"
+// Their gradients (CrossEntropyGrads, loss.h).
+#define FUSED_CE_GRADS "Tensor, Tensor, Tensor, Tensor, Tensor"
 
 }  // namespace
 
 TORCH_LIBRARY(fused_ce, m) {
   // The public op: graphs saved with it (TorchScript, torch.export, AOTInductor) keep loading as long as its
   // options are only ever appended, with defaults (options.h).
-  m.def("linear_cross_entropy(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(FUSED_CE_LOSS_OPTIONS) ") -> (Tensor, Tensor)",
+  m.def("linear_cross_entropy(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(FUSED_CE_LOSS_OPTIONS) FUSED_CE_LOW_RANK_SCHEMA
+        ") -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
-  m.def("_linear_cross_entropy(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(
-            FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax)",
+  m.def("_linear_cross_entropy(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_SCHEMA
+        ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax)",
         {at::Tag::pt2_compliant_tag});
   m.def("linear_cross_entropy_backward(" FUSED_CE_UPSTREAM_GRADS FUSED_CE_BACKWARD_TENSORS FUSED_CE_SCHEMA(
-            FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
+            FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_SCHEMA ") -> (" FUSED_CE_GRADS ")",
         {at::Tag::pt2_compliant_tag});
-  m.def("_linear_cross_entropy_keeping_logits(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(
-            FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor logits)",
+  m.def("_linear_cross_entropy_keeping_logits(" FUSED_CE_TENSORS FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS)
+            FUSED_CE_LOW_RANK_SCHEMA ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor logits)",
         {at::Tag::pt2_compliant_tag});
   m.def("_linear_cross_entropy_backward_from_logits(" FUSED_CE_UPSTREAM_GRADS
-        "Tensor(a!) logits, " FUSED_CE_BACKWARD_TENSORS FUSED_CE_SCHEMA(
-            FUSED_CE_ALL_OPTIONS) ") -> (Tensor, Tensor, Tensor)",
+        "Tensor(a!) logits, " FUSED_CE_BACKWARD_TENSORS FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_SCHEMA
+        ") -> (" FUSED_CE_GRADS ")",
         {at::Tag::pt2_compliant_tag});
   m.def(
       "linear_cross_entropy_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias, "
-      "Tensor? weight, bool[3] output_mask" FUSED_CE_SCHEMA(
-          FUSED_CE_ALL_OPTIONS) ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor, Tensor, Tensor, "
-          "Tensor grad_weight_scale)",
+      "Tensor? weight, bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_SCHEMA
+      ") -> (Tensor loss, Tensor lse, Tensor entropy, Tensor argmax, Tensor, Tensor, "
+      "Tensor, Tensor grad_weight_scale, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def("linear_log_probs(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None" FUSED_CE_SCHEMA(
-            FUSED_CE_LOG_PROB_OPTIONS)
-            FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor log_probs, Tensor entropy, Tensor argmax)",
+            FUSED_CE_LOG_PROB_OPTIONS) FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_SCHEMA
+        ") -> (Tensor log_probs, Tensor entropy, Tensor argmax)",
         {at::Tag::pt2_compliant_tag});
   m.def(
       "linear_policy_loss(Tensor input, Tensor linear_weight, Tensor target, Tensor advantages, "

@@ -119,6 +119,12 @@
 // Expansions of a list. Each item begins with a comma, so that a list follows the last tensor argument:
 // "Tensor? weight=None" FUSED_CE_SCHEMA(FUSED_CE_LOSS_OPTIONS), f(..., const at::Tensor& w
 // FUSED_CE_PARAMS(FUSED_CE_LOSS_OPTIONS)).
+// The cross-entropy ops' last arguments: a low-rank term of the logits, low_rank_input @ low_rank_weight.T
+// (LoRA's on the head: Problem::low_rank), with gradients of its own.
+#define FUSED_CE_LOW_RANK_SCHEMA ", Tensor? low_rank_input=None, Tensor? low_rank_weight=None"
+#define FUSED_CE_LOW_RANK_PARAMS \
+  , const std::optional<at::Tensor>&low_rank_input, const std::optional<at::Tensor>&low_rank_weight
+
 #define FUSED_CE_SCHEMA_ITEM(cpp_type, name, schema_type, default) ", " schema_type " " #name "=" #default
 #define FUSED_CE_PARAM_ITEM(cpp_type, name, ...) , cpp_type name
 #define FUSED_CE_ARG_ITEM(cpp_type, name, ...) , name

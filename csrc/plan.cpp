@@ -27,9 +27,11 @@ Plan plan_rows(const Problem& p, const LossOptions& o, const DeviceFacts& device
     TORCH_CHECK(pass == Pass::Forward || pass == Pass::ForwardWithGrad, "fused_ce: a distillation's passes are ",
                 "the forward and the forward with gradient");
     plan_distillation(plan, p, o);
-  } else if (device.row_kernels(p.N)) {
+  } else if (device.row_kernels(p.N) && !p.low_rank.defined()) {
     plan_kernels(plan, p, o, selected);
   } else {
+    // (a low-rank term runs on the ATen stages, whose products add it: the kernels' tiles and rank-one smoothing
+    // do not know it)
     TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
     plan_aten_chunks(plan, p, o, selected);
   }

@@ -1,6 +1,8 @@
 #include "problem.h"
 
 #include <cmath>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "format.h"
@@ -32,6 +34,10 @@ Problem Problem::block(int64_t begin, int64_t end, const at::Tensor& gathered) c
   if (teacher.x.defined()) {
     p.teacher.x = row_index.defined() ? teacher.x.index_select(0, row_index.narrow(0, begin, end - begin))
                                       : teacher.x.narrow(0, begin, end - begin);
+  }
+  if (low_rank.defined()) {
+    p.low_rank.input = row_index.defined() ? low_rank.input.index_select(0, row_index.narrow(0, begin, end - begin))
+                                           : low_rank.input.narrow(0, begin, end - begin);
   }
   p.teacher.top_indices = slice(teacher.top_indices, begin, end);
   p.teacher.top_log_probs = slice(teacher.top_log_probs, begin, end);
@@ -80,6 +86,7 @@ Problem Problem::cols(int64_t begin, int64_t end) const {
   Problem p = *this;
   p.w = slice(w, begin, end);
   p.bias = slice(bias, begin, end);
+  p.low_rank.weight = slice(low_rank.weight, begin, end);
   p.class_weight = slice(class_weight, begin, end);
   p.V = end - begin;
   p.col_offset = col_offset + begin;
@@ -143,6 +150,7 @@ void logits_into(const Problem& p, at::Tensor& out, double scale) {
   } else {
     at::mm_out(out, p.x, p.w.t());
   }
+  if (p.low_rank.defined()) at::addmm_out(out, out, p.low_rank.input, p.low_rank.weight.t(), /*beta=*/1, scale);
 }
 
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
@@ -224,6 +232,38 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   }
   p.target = target.reshape({p.N}).to(at::kLong).contiguous();
   return p;
+}
+
+void with_low_rank(Problem& p, const at::Tensor& input, const std::optional<at::Tensor>& low_rank_input,
+                   const std::optional<at::Tensor>& low_rank_weight, const LossOptions& o) {
+  const std::string& op = o.caller;
+  const bool has_input = low_rank_input && low_rank_input->defined();
+  const bool has_weight = low_rank_weight && low_rank_weight->defined();
+  TORCH_CHECK_VALUE(has_input == has_weight, op, ": low_rank_input and low_rank_weight go together (the logits' term ",
+                    "low_rank_input @ low_rank_weight.T): ", has_input ? "low_rank_weight" : "low_rank_input",
+                    " is missing");
+  if (!has_input) return;
+  const at::Tensor &u = *low_rank_input, &b = *low_rank_weight;
+  TORCH_CHECK_VALUE(!o.vocab_parallel(), op, ": low_rank_input with a process_group (vocabulary parallel) is not ",
+                    "supported");
+  TORCH_CHECK_VALUE(b.dim() == 2 && b.size(0) == p.w.size(0), op, ": low_rank_weight must be [", num(p.w.size(0)),
+                    ", r] (one row per row of linear_weight), got ", shape(b.sizes()));
+  const int64_t r = b.size(1);
+  std::vector<int64_t> expected(input.sizes().begin(), input.sizes().end() - 1);
+  expected.push_back(r);
+  TORCH_CHECK_VALUE(u.sizes() == at::IntArrayRef(expected), op, ": low_rank_input must be the input's shape with ",
+                    "low_rank_weight's rank r = ", num(r), " as its last dimension ", shape(expected), ", got ",
+                    shape(u.sizes()));
+  for (const auto& [arg, t] :
+       {std::pair<const char*, const at::Tensor&>{"low_rank_input", u}, {"low_rank_weight", b}}) {
+    TORCH_CHECK(t.scalar_type() == input.scalar_type(), op, ": ", arg, " dtype ", name(t.scalar_type()),
+                " does not match input dtype ", name(input.scalar_type()),
+                ": cast one to the other's dtype, or call it under torch.autocast, which casts both");
+    TORCH_CHECK(t.device() == input.device(), op, ": ", arg, " is on ", t.device().str(), " but input is on ",
+                input.device().str(), ": move them to one device");
+  }
+  p.low_rank.input = u.reshape({p.N, r});
+  p.low_rank.weight = b;
 }
 
 RowStats combine_row_stat_splits(const at::Tensor& partial, const at::Tensor& argmax_partial, const at::Tensor& target,

@@ -29,6 +29,16 @@ struct Teacher {
   double logit_scale = 1.0;
 };
 
+// A low-rank term of the logits: z = x @ w.T + input @ weight.T (+ b). LoRA's on the head, its dropout and scale
+// already in `input` (s * dropout(x) @ A.T, formed by autograd outside the op), so that no V x D sum W + s B A is
+// ever formed. Its gradients (d input = G weight, d weight = G.T input) come beside dX and dW.
+struct LowRank {
+  at::Tensor input;   // [N, r], rows as x's (row_index selects them too); undefined: no low-rank term
+  at::Tensor weight;  // [V, r]
+  bool grads = true;  // whether the executors form its gradients (not weight_grad_by_slices' passes, dW's alone)
+  bool defined() const { return input.defined(); }
+};
+
 struct Problem {
   // [N, D], any strides; where rows are selected (row_index), the source rows [N_source, D]
   at::Tensor x;
@@ -62,6 +72,7 @@ struct Problem {
   int64_t N = 0, V = 0, D = 0;
   int64_t col_offset = 0;  // first class of w (a vocabulary slice); targets stay absolute class indices
   Teacher teacher;         // a distillation's (linear_distillation_loss)
+  LowRank low_rank;        // the cross-entropy ops' low_rank_input and low_rank_weight (with_low_rank)
 
   bool distills() const { return teacher.divergence != Divergence::None; }
 
@@ -135,6 +146,11 @@ at::ScalarType loss_dtype(const Problem& p);
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      const LossOptions& o);
+
+// p with the low-rank term of the logits, where both are given (low_rank_input [..., r] like input,
+// low_rank_weight [V, r]): shapes, dtypes and devices checked, errors naming the argument.
+void with_low_rank(Problem& p, const at::Tensor& input, const std::optional<at::Tensor>& low_rank_input,
+                   const std::optional<at::Tensor>& low_rank_weight, const LossOptions& o);
 
 // The problem of this rank's classes [o.vocab_start, o.vocab_start + w rows):
 // V = w's rows, the class weights of those classes, targets relative to the

@@ -56,7 +56,12 @@ def _outputs(a, return_entropy=False, return_argmax=False):
         lambda: f"{caller}: reduction must be 'mean', 'sum' or 'none', got '{reduction}'",
     )
     _check_devices(caller, input, linear_weight=linear_weight, target=target, linear_bias=a["linear_bias"],
-                   weight=a["weight"])  # fmt: skip
+                   weight=a["weight"], low_rank_input=a.get("low_rank_input"),
+                   low_rank_weight=a.get("low_rank_weight"))  # fmt: skip
+    torch._check(
+        (a.get("low_rank_input") is None) == (a.get("low_rank_weight") is None),
+        lambda: f"{caller}: low_rank_input and low_rank_weight go together",
+    )
     lse = input.new_empty(target.shape, dtype=_loss_dtype(input))
     loss = lse.new_empty(target.shape) if reduction == "none" else lse.new_empty(())
     entropy = lse.new_empty(target.shape if return_entropy else (0,))
@@ -112,8 +117,10 @@ _check_kept_rows()
 
 def _kept_logit_rows(input, linear_weight, target, options):
     """kept_logit_rows (csrc/plan.h) from shapes: 0 where none are kept (a scalar loss, a device or dtype without
-    the kernels)."""
+    the kernels, a low-rank term)."""
     if options["reduction"] != "none" or not torch.ops.fused_ce._cuda_kernels_embedded(input.device, input.dtype):
+        return 0
+    if options["low_rank_input"] is not None:
         return 0
     V = options["max_shard_rows"] if options["process_group"] else linear_weight.shape[0]
     rows = _kept_rows(target.numel(), V, input.shape[-1], input.element_size(), options["workspace_bytes"])
@@ -127,6 +134,14 @@ def _grads(input, linear_weight, linear_bias, output_mask):
     return grad(input, output_mask[0]), grad(linear_weight, output_mask[1]), grad(linear_bias, output_mask[2])
 
 
+def _low_rank_grads(a, dtype=None):
+    """The low-rank term's gradients (csrc/loss.h): shaped as its arguments where given, else empty."""
+    input, weight = a["low_rank_input"], a["low_rank_weight"]
+    if input is None:
+        return a["input"].new_empty((0,)), a["input"].new_empty((0,))
+    return input.new_empty(input.shape, dtype=dtype), weight.new_empty(weight.shape, dtype=dtype)
+
+
 def _register_backward_fake(name):
     """The backward ops' fake kernel: the gradients asked for (the recomputing one's, and the one from kept logits)."""
     op = getattr(torch.ops.fused_ce, name).default
@@ -138,7 +153,7 @@ def _register_backward_fake(name):
     def fake(*args, **kwargs):
         a = _arguments(op, args, kwargs)
         _check_devices(a["caller"], a["input"], **{n: a[n] for n in tensors})
-        return _grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"])
+        return (*_grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"]), *_low_rank_grads(a))
 
 
 _register_backward_fake("linear_cross_entropy_backward")
@@ -155,10 +170,16 @@ def _linear_cross_entropy_with_grad_fake(*args, **kwargs):
     outputs = _outputs(a, return_entropy=a["return_entropy"], return_argmax=a["return_argmax"])
     grad_input, grad_weight, grad_bias = _grads(input, a["linear_weight"], a["linear_bias"], a["output_mask"])
     if input.dtype != torch.float16:
-        return (*outputs, grad_input, grad_weight, grad_bias, input.new_empty((0,), dtype=torch.float32))
+        no_scale = input.new_empty((0,), dtype=torch.float32)
+        return (*outputs, grad_input, grad_weight, grad_bias, no_scale, *_low_rank_grads(a))
     # dX and db in float32 until the backward scales them, dW in float16 times a power of two (csrc/loss.h)
-    to_float32 = [g.new_empty(g.shape, dtype=torch.float32) for g in (grad_input, grad_bias)]
-    return (*outputs, to_float32[0], grad_weight, to_float32[1], input.new_empty((), dtype=torch.float32))
+    mask, bias = a["output_mask"], a["linear_bias"]
+    to_float32 = [
+        g.new_empty(g.shape, dtype=torch.float32) if formed else g
+        for g, formed in ((grad_input, mask[0]), (grad_bias, mask[2] and bias is not None))
+    ]
+    scale = input.new_empty((), dtype=torch.float32)
+    return (*outputs, to_float32[0], grad_weight, to_float32[1], scale, *_low_rank_grads(a, torch.float32))
 
 
 @torch.library.register_fake("fused_ce::_scale_grad_")

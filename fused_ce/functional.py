@@ -91,16 +91,28 @@ def _check_front(function, op, internal=()):
 _DEFAULT_OPTIONS = _option_arguments("_linear_cross_entropy", "linear_cross_entropy")
 
 
-def _call(input, linear_weight, target, linear_bias, weight, options):
+def _call(input, linear_weight, target, linear_bias, weight, options, low_rank=None):
     """(loss, lse, entropy, argmax): the public op where its options suffice (the op saved graphs hold), else
-    the op with every option."""
+    the op with every option; ``low_rank``: the logits' low-rank term's (input, weight), or None."""
+    tensors = {} if low_rank is None else {"low_rank_input": low_rank[0], "low_rank_weight": low_rank[1]}
     public = all(options[n] == value for n, value in _DEFAULT_OPTIONS.items() if n not in _PUBLIC_LOSS_OPTIONS)
     if public:
         loss, lse = torch.ops.fused_ce.linear_cross_entropy(
-            input, linear_weight, target, linear_bias, weight, **{n: options[n] for n in _PUBLIC_LOSS_OPTIONS}
-        )
+            input, linear_weight, target, linear_bias, weight, **{n: options[n] for n in _PUBLIC_LOSS_OPTIONS},
+            **tensors,
+        )  # fmt: skip
         return loss, lse, None, None
-    return torch.ops.fused_ce._linear_cross_entropy(input, linear_weight, target, linear_bias, weight, **options)
+    return torch.ops.fused_ce._linear_cross_entropy(
+        input, linear_weight, target, linear_bias, weight, **options, **tensors
+    )
+
+
+def _low_rank(caller, low_rank_input, low_rank_weight):
+    """The logits' low-rank term as the ops take it: (input, weight), or None; both or neither."""
+    if (low_rank_input is None) != (low_rank_weight is None):
+        missing = "low_rank_weight" if low_rank_weight is None else "low_rank_input"
+        raise ValueError(f"{caller}: low_rank_input and low_rank_weight go together: {missing} is missing")
+    return None if low_rank_input is None else (low_rank_input, low_rank_weight)
 
 
 def _vocab_parallel(input, linear_weight, target, linear_bias, weight, process_group, vocab_start,
@@ -129,6 +141,8 @@ class LossKeywords(TypedDict, total=False):
     workspace_bytes: int | None
     process_group: object
     vocab_start: int | None
+    low_rank_input: Tensor | None
+    low_rank_weight: Tensor | None
     options: object
 
 
@@ -186,6 +200,8 @@ def linear_cross_entropy(
     workspace_bytes: int | None = None,
     process_group=None,
     vocab_start: int | None = None,
+    low_rank_input: Tensor | None = None,
+    low_rank_weight: Tensor | None = None,
     options=None,
 ) -> Tensor | tuple[Tensor, ...]:
     r"""Cross entropy of ``input @ linear_weight.T (+ linear_bias)`` against ``target``, without the logits.
@@ -234,6 +250,13 @@ def linear_cross_entropy(
             DTensor ``linear_weight`` placed ``Shard(0)`` with a DTensor ``input`` needs no argument.
             See :mod:`fused_ce.distributed`.
         vocab_start: this rank's first class, where the shards are not in rank order.
+        low_rank_input, low_rank_weight: a low-rank term of the logits, which become ``input @ linear_weight.T +
+            low_rank_input @ low_rank_weight.T (+ linear_bias)``: ``low_rank_input`` ``[..., r]`` (input's leading
+            dimensions), ``low_rank_weight`` ``[V, r]``, both in input's dtype and both differentiable. LoRA on
+            the head: ``low_rank_input = scaling * lora_A(dropout(input))`` and ``low_rank_weight =
+            lora_B.weight``, dropout included, with no ``V x D`` sum ``W + scaling * B @ A`` formed. Such a call
+            runs on the ATen stages (on CUDA too: cuBLAS products, the softmax in ATen), keeps no logits, and is
+            not vocabulary parallel.
         options: accepted for compatibility with torch's signature and ignored: this loss is always chunked.
 
     Returns:
@@ -244,9 +267,12 @@ def linear_cross_entropy(
     backward: they are results, not saved activations, so ``torch.autograd.graph.saved_tensors_hooks``
     (activation offloading) does not see them.
     """
+    low_rank = _low_rank("linear_cross_entropy", low_rank_input, low_rank_weight)
     if linear_weight.dim() > 2:
         if return_argmax:
             raise ValueError("linear_cross_entropy: return_argmax is not supported for a K-dimensional loss")
+        if low_rank is not None:
+            raise ValueError("linear_cross_entropy: a low-rank term is not supported for a K-dimensional loss")
         return _k_dimensional(
             input,
             linear_weight,
@@ -271,7 +297,7 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
         workspace_bytes=workspace_bytes, lse_of_ignored_rows=return_lse, return_argmax=return_argmax,
     )  # fmt: skip
-    loss, lse, _, argmax = _call(input, linear_weight, target, linear_bias, weight, options)
+    loss, lse, _, argmax = _call(input, linear_weight, target, linear_bias, weight, options, low_rank)
     outputs = (loss,) + ((lse,) if return_lse else ()) + ((argmax,) if return_argmax else ())
     return outputs[0] if len(outputs) == 1 else outputs
 
@@ -362,6 +388,8 @@ def linear_log_probs(
     return_argmax: bool = False,
     process_group=None,
     workspace_bytes: int | None = None,
+    low_rank_input: Tensor | None = None,
+    low_rank_weight: Tensor | None = None,
 ) -> Tensor | LogProbs:
     r"""Per-token log-probabilities of ``target`` under ``softmax(softcap(input @ linear_weight.T + linear_bias) /
     temperature)``, without the logits: what policy-gradient RL (GRPO, PPO, DAPO, ...) needs of the lm_head.
@@ -383,6 +411,8 @@ def linear_log_probs(
         workspace_bytes: as in :func:`linear_cross_entropy`. On CUDA, room for every row's logits
             (``N x V`` in the input dtype) keeps them from the forward for the backward: 6NDV flops in all
             instead of 8NDV, that memory held in between.
+        low_rank_input, low_rank_weight: a low-rank term of the logits (LoRA on the head, its dropout included),
+            as in :func:`linear_cross_entropy`.
 
     Returns:
         The float32 log-probabilities shaped like ``target`` (0 at ignored rows, differentiable for any upstream
@@ -399,8 +429,10 @@ def linear_log_probs(
         softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index, return_entropy=return_entropy,
         return_argmax=return_argmax, workspace_bytes=workspace_bytes,
     )  # fmt: skip
+    low_rank = _low_rank("linear_log_probs", low_rank_input, low_rank_weight)
+    tensors = {} if low_rank is None else {"low_rank_input": low_rank[0], "low_rank_weight": low_rank[1]}
     log_probs, entropy, argmax = torch.ops.fused_ce.linear_log_probs(
-        input, linear_weight, target, linear_bias, **options
+        input, linear_weight, target, linear_bias, **options, **tensors
     )
     if not (return_entropy or return_argmax):
         return log_probs
@@ -623,6 +655,7 @@ def plan(
     keywords.pop("options", None)
     bias, weight = keywords.pop("linear_bias", None), keywords.pop("weight", None)
     return_lse = keywords.pop("return_lse", False)
+    low_rank = {n: keywords.pop(n, None) for n in ("low_rank_input", "low_rank_weight")}
     input, linear_weight, target, bias, weight, shard = _vocab_parallel(
         input,
         linear_weight,
@@ -636,6 +669,8 @@ def plan(
         "_linear_cross_entropy", "linear_cross_entropy", **keywords, lse_of_ignored_rows=return_lse, shard=shard
     )
     # (None: "first", the pass the op picks, chosen in C++ as the op and its autograd formula choose it)
-    fields = torch.ops.fused_ce._plan(input, linear_weight, target, pass_ or "first", bias, weight, **options)
+    fields = torch.ops.fused_ce._plan(
+        input, linear_weight, target, pass_ or "first", bias, weight, **options, **low_rank
+    )
     values = [(_DTYPES.get(v) if name.endswith("dtype") else v) for name, v in zip(Plan._fields, fields, strict=True)]
     return Plan(*values)

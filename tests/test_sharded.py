@@ -242,17 +242,40 @@ def test_peft_lora_under_ddp_and_fsdp2():
     spawn(check_peft, 2)
 
 
-def test_lora_dropout_on_the_head_is_refused():
+@pytest.mark.parametrize("adapters", [1, 2])
+def test_lora_dropout_on_the_head_equals_unpatched(adapters):
+    """LoRA on the lm_head with dropout: the adapters as the loss's low-rank term, the dropout drawn as the head's
+    own call draws it (the same masks under the same seed): the loss and every gradient as unpatched, no logits.
+    (Without dropout, the same term: check_peft, under DDP and FSDP2.)"""
     peft = pytest.importorskip("peft", reason="needs peft")
-    from fused_ce.integrations.transformers import Refused
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], lora_dropout=0.3, init_lora_weights=False)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny(), lora)
+    if adapters == 2:  # both active: their terms summed (ranks side by side)
+        model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["lm_head"], lora_dropout=0.5,
+                                                    init_lora_weights=False))  # fmt: skip
+        model.base_model.set_adapter(["default", "second"])
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, 12))
+    labels = ids.clone()
+    labels[:, :3] = -100
 
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], lora_dropout=0.1)
-    model = apply(peft.get_peft_model(tiny(), lora), logits="never")
-    ids = torch.randint(0, VOCAB, (2, 8))
-    with pytest.raises(Refused, match="dropout"):
-        model(input_ids=ids, labels=ids)
-    model.eval()  # no dropout in eval: fused
-    assert model(input_ids=ids, labels=ids).logits is None
+    def step(m):
+        torch.manual_seed(5)
+        out = m(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    want, want_grads = step(copy.deepcopy(model))
+    got, got_grads = step(apply(copy.deepcopy(model), logits="never"))
+    assert got.logits is None
+    assert abs(got.loss.item() - want.loss.item()) <= 1e-6 * abs(want.loss.item())
+    assert got_grads.keys() == want_grads.keys() and any("lm_head.lora_A" in n for n in want_grads)
+    for name, grad in want_grads.items():
+        assert ((got_grads[name] - grad).norm() / grad.norm()).item() <= 1e-5, name
+    model.eval()  # no dropout in eval
+    out = apply(model, logits="never")(input_ids=ids, labels=labels)
+    assert out.logits is None and out.loss.isfinite()
 
 
 if __name__ == "__main__":

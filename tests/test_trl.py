@@ -14,6 +14,7 @@ trl = pytest.importorskip("trl", reason="needs trl (pip install trl)")
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 datasets = pytest.importorskip("datasets", reason="needs datasets (trl's dependency)")
 
+from fused_ce import linear_policy_loss  # noqa: E402
 from fused_ce.integrations import trl as fused_trl  # noqa: E402
 
 TEXT = "the cat sat on the mat and the dog ate the bone while the bird sang a song " * 20
@@ -366,6 +367,68 @@ def test_mean_logits_and_wpo_weights_match_trls():
                                                                        "final_logit_softcapping": 3.0}))  # fmt: skip
     assert not fused_trl.add_fused_lm_head(gemma, outputs=outputs, _original=trls_head)
     assert fused_trl.add_fused_lm_head(copy.deepcopy(gemma), outputs=("log_probs", "entropy"), _original=trls_head)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_fused_head_takes_a_lora_lm_head(dropout):
+    """LoRA on the lm_head (which TRL's own head leaves out, reading the base weight): the head's logits as the model
+    computes them, the adapters a low-rank term (the dropout masks its call would draw); log-probs, entropy, mean
+    logits and the adapters' gradients as the model's own head gives them."""
+    peft = pytest.importorskip("peft", reason="needs peft")
+    from trl.trainer.utils import add_fused_lm_head as trls_head
+
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=4, target_modules=["lm_head"], lora_dropout=dropout, init_lora_weights=False)
+    model = peft.get_peft_model(transformers.Qwen2ForCausalLM(config), lora).get_base_model().train()
+    reference, fused = copy.deepcopy(model), copy.deepcopy(model)
+    outputs = ("log_probs", "entropy", "mean_logits")
+    assert fused_trl.add_fused_lm_head(fused, temperature=0.7, outputs=outputs, _original=trls_head)
+    ids = torch.randint(0, 300, (3, 10))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    torch.manual_seed(1)
+    got = fused(input_ids=ids, labels=labels, fused_lm_head=True)
+    torch.manual_seed(1)
+    logits = reference.lm_head(reference.model(input_ids=ids).last_hidden_state[:, :-1]) / 0.7
+    mask = labels[:, 1:] != -100
+    log_p = logits.log_softmax(-1)
+    want = torch.where(mask, log_p.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0], 0)
+    entropy = torch.where(mask, -(log_p.exp() * log_p).sum(-1), 0)
+    torch.testing.assert_close(got.log_probs, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.mean_logits, torch.where(mask, logits.mean(-1), 0).detach(), rtol=1e-5, atol=1e-5)
+    (got.log_probs.sum() + got.entropy.sum()).backward()
+    (want.sum() + entropy.sum()).backward()
+    lora_grads = 0
+    for (name, p), q in zip(fused.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            lora_grads += "lora_" in name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert lora_grads == 2
+    policy = dict(advantages=torch.randn(3, 9))
+    if dropout:  # GRPO's fused loss takes no low-rank term: refused by name
+        from fused_ce.integrations.transformers import Refused
+
+        with pytest.raises(Refused, match=r"linear_policy_loss \(GRPOTrainer's fused loss\) takes no low-rank term"):
+            fused(input_ids=ids, labels=labels, fused_lm_head=True, fused_policy=policy)
+        return
+    # without dropout GRPO's fused loss takes the adapters merged into W: its gradients reach A and B
+    fused.zero_grad()
+    out, _ = fused(input_ids=ids, labels=labels, fused_lm_head=True, fused_policy=policy)
+    out.loss.backward()
+    head = reference.lm_head
+    merged = (
+        head.base_layer.weight + head.scaling["default"] * head.lora_B["default"].weight @ head.lora_A["default"].weight
+    )
+    hidden = reference.model(input_ids=ids).last_hidden_state[:, :-1]
+    reference.zero_grad()
+    linear_policy_loss(hidden, merged, labels[:, 1:], policy["advantages"], temperature=0.7).backward()
+    for (name, p), q in zip(fused.named_parameters(), reference.parameters()):
+        if "lora_" in name:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def teacher_model(tok, path):

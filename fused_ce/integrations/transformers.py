@@ -15,7 +15,8 @@ there either: see ``apply``).
 
 The loss is computed inside the head module's own call (``lm_head(hidden, _fused_ce_loss=...)``), so an engine
 that manages its weight (FSDP2 however it wraps, DeepSpeed ZeRO-3, DDP) gathers, reshards and reduces it as for
-the head's forward. A PEFT model is switched inside; LoRA on the lm_head gives the logits of ``W + s * B A``.
+the head's forward. A PEFT model is switched inside; LoRA adapters on the lm_head are the loss's low-rank term
+(``s * A(dropout(x))`` and ``B``: ``fused_ce.linear_cross_entropy``'s ``low_rank_input`` and ``low_rank_weight``).
 
 A forward that uses its logits any other way (a learned scale, a head module with a forward of its own, a
 second softcap, a loss of its own) is refused when ``apply`` is called, naming the line; so is a head that
@@ -64,6 +65,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     logit_scale=1.0,
     return_token_accuracy=False,
     label_smoothing=0.0,
+    lm_head_low_rank=None,
     **kwargs,
 ):
     """transformers' ``ForCausalLMLoss`` from the hidden states and the lm_head weight (the signature of the
@@ -74,12 +76,18 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     The logits are ``softcap(logit_scale * (hidden @ W.T + b))``. ``label_smoothing`` as torch's (the Trainer's
     ``label_smoothing_factor``: its LabelSmoother's loss). With ``return_token_accuracy``,
     ``(loss, accuracy)``: the fraction of counted tokens whose label is the most likely token (float32, no
-    gradient; from the loss's own pass, no host read).
+    gradient; from the loss's own pass, no host read). ``lm_head_low_rank``: a low-rank term of the logits,
+    ``(input [..., T, r], weight [V, r])`` (LoRA on the head with dropout: :func:`fused_ce.linear_cross_entropy`'s
+    ``low_rank_input`` and ``low_rank_weight``).
     """
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden_states.reshape(-1, lm_head_weight.shape[1])
     target = shift_labels.reshape(-1).to(hidden.device)
+    low_rank = {}
+    if lm_head_low_rank is not None:
+        low_rank_input, low_rank_weight = lm_head_low_rank
+        low_rank = dict(low_rank_input=low_rank_input.reshape(hidden.shape[0], -1), low_rank_weight=low_rank_weight)
     reduction = "mean" if num_items_in_batch is None else "sum"
     out = linear_cross_entropy(
         hidden,
@@ -92,6 +100,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
         logit_scale=logit_scale,
         label_smoothing=label_smoothing,
         return_argmax=return_token_accuracy,
+        **low_rank,
     )
     loss, argmax = out if return_token_accuracy else (out, None)
     if num_items_in_batch is not None:
@@ -153,15 +162,16 @@ class HeadLogits:
         rows = getattr(weight, "ds_shape", weight.shape)[0]  # (DeepSpeed ZeRO-3: a partitioned weight's own shape)
         return rows if self.vocab is None else min(rows, self.vocab)
 
-    def loss_arguments(self, weight, bias):
-        """(weight, bias, softcap, logit_scale) of fused_ce's loss from the head's (whole) weight and bias:
-        a * tanh(b * raw) is softcap a at scale a * b."""
+    def loss_arguments(self, weight, bias, low_rank=None):
+        """(weight, bias, softcap, logit_scale, low_rank) of fused_ce's loss from the head's (whole) weight, bias
+        and low-rank term ((input, weight) or None): a * tanh(b * raw) is softcap a at scale a * b."""
         if self.vocab is not None and self.vocab < weight.shape[0]:
             weight = weight[: self.vocab]
             bias = None if bias is None else bias[: self.vocab]
+            low_rank = None if low_rank is None else (low_rank[0], low_rank[1][: self.vocab])
         if not self.tanh:
-            return weight, bias, None, self.pre_scale
-        return weight, bias, self.post_scale, self.post_scale * self.pre_scale
+            return weight, bias, None, self.pre_scale, low_rank
+        return weight, bias, self.post_scale, self.post_scale * self.pre_scale, low_rank
 
 
 def _is_linear(module):
@@ -210,29 +220,53 @@ def _loss_module(head):
     return head
 
 
-def _lora_weight(head):
-    """The weight and bias of a LoRA head's logits, W + sum_a scale_a * B_a A_a (differentiable in A and B), or
-    Refused where its logits are not those of one linear map (dropout on the adapter's input while training,
-    DoRA, an adapter bias)."""
-    base = head.base_layer
-    weight, bias = base.weight, base.bias
+def _active_lora_adapters(head):
+    """The LoRA adapters a head's call adds (none where they are disabled or merged into the base weight);
+    Refused for those whose term fused_ce does not form (DoRA, an adapter bias)."""
     if getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
-        return weight, bias  # the adapters are off, or already in the base weight
-    for adapter in head.active_adapters:
-        if adapter not in head.lora_A:
-            continue
-        dropout = head.lora_dropout[adapter]
-        if head.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
-            raise Refused(
-                f"fused_ce: the LoRA adapter {adapter!r} on the lm_head has dropout {dropout.p} on its input: its "
-                "logits are not one linear map of the hidden states; set lora_dropout=0 (or leave the lm_head out "
-                "of target_modules)"
-            )
+        return []
+    adapters = [adapter for adapter in head.active_adapters if adapter in head.lora_A]
+    for adapter in adapters:
         if getattr(head, "use_dora", {}).get(adapter, False) or getattr(head, "lora_bias", {}).get(adapter, False):
             raise Refused(f"fused_ce: the LoRA adapter {adapter!r} on the lm_head uses DoRA or a bias: not fused")
-        a, b = head.lora_A[adapter].weight, head.lora_B[adapter].weight
-        weight = weight + head.scaling[adapter] * (b @ a).to(weight.dtype)
-    return weight, bias
+    return adapters
+
+
+def _dropout_active(head, adapter):
+    dropout = head.lora_dropout[adapter]
+    return head.training and isinstance(dropout, nn.Dropout) and dropout.p > 0
+
+
+def _lora_terms(head, hidden, merged_for=None):
+    """(weight, bias, low_rank) of a LoRA head's logits for its input ``hidden``: the active adapters as the loss's
+    low-rank term, ``low_rank = (cat_a scale_a * A_a(dropout_a(hidden)), cat_a B_a)`` (the ranks side by side: the
+    sum of the adapters' products), the dropout drawn here as the head's own call would draw it. No ``V x D`` sum
+    is formed, and a frozen base weight gets no ``V x D`` gradient to pass on to A and B. ``merged_for``: a loss
+    that takes no low-rank term (named), which gets the weight ``W + sum_a scale_a * B_a A_a`` (differentiable in A
+    and B) instead, an adapter with dropout on its input Refused."""
+    base = head.base_layer
+    weight, bias = base.weight, base.bias
+    adapters = _active_lora_adapters(head)
+    if not adapters:
+        return weight, bias, None
+    if merged_for is not None:
+        for adapter in adapters:
+            if _dropout_active(head, adapter):
+                raise Refused(
+                    f"fused_ce: {merged_for} takes no low-rank term: the LoRA adapter {adapter!r} on the lm_head has "
+                    f"dropout {head.lora_dropout[adapter].p} on its input, which only the cross-entropy and log-prob "
+                    "losses take; set lora_dropout=0 (or leave the lm_head out of target_modules)"
+                )
+            a, b = head.lora_A[adapter].weight, head.lora_B[adapter].weight
+            weight = weight + head.scaling[adapter] * (b @ a).to(weight.dtype)
+        return weight, bias, None
+    inputs, weights = [], []
+    for adapter in adapters:  # (in the head's order: the dropout masks are the ones its call draws)
+        lora_a, lora_b = head.lora_A[adapter], head.lora_B[adapter]
+        dropped = head.lora_dropout[adapter](hidden.to(lora_a.weight.dtype))
+        inputs.append((lora_a(dropped) * head.scaling[adapter]).to(hidden.dtype))
+        weights.append(lora_b.weight.to(hidden.dtype))
+    return weight, bias, (torch.cat(inputs, -1), torch.cat(weights, -1))
 
 
 # The rewritten forward calls these (the names the rewriter gives them).
@@ -282,11 +316,14 @@ def _fce_loss(model, *args, **kwargs):
     bound.update(getattr(model, _TRAINER_LOSS, None) or {})  # the Trainer's label smoother's (_install_trainer_hook)
 
     def loss(head, hidden):  # inside the head's call: its weight whole
-        weight, bias = _lora_weight(head) if _lora_of(head) is not None else (head.weight, head.bias)
-        weight, bias, softcap, logit_scale = logits.loss_arguments(weight, bias)
+        if _lora_of(head) is not None:
+            weight, bias, low_rank = _lora_terms(head, hidden)
+        else:
+            weight, bias, low_rank = head.weight, head.bias, None
+        weight, bias, softcap, logit_scale, low_rank = logits.loss_arguments(weight, bias, low_rank)
         out = ForCausalLMLoss(
             hidden, weight, labels, final_logit_softcapping=softcap, lm_head_bias=bias, logit_scale=logit_scale,
-            return_token_accuracy=accuracy is not None, **bound,
+            return_token_accuracy=accuracy is not None, lm_head_low_rank=low_rank, **bound,
         )  # fmt: skip
         if accuracy is None:
             return out

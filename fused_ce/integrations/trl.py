@@ -45,6 +45,7 @@ import warnings
 import torch
 
 from ..functional import linear_cross_entropy, linear_distillation_loss, linear_log_probs, linear_policy_loss
+from .transformers import Refused, _lora_of, _lora_terms
 
 # TRL's FusedCausalLMOutput fields; the last two are linear in the logits' scale (not under a softcap)
 _FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
@@ -65,32 +66,40 @@ def _head_scales(config):
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else scale
 
 
-def _mean_logits(hidden, weight, bias, scale):
+def _mean_logits(hidden, weight, bias, scale, low_rank=None):
     """Each row's mean over the vocabulary of ``scale * (hidden @ W.T + b)``, without gradient, in float32:
     ``scale * (hidden @ mean_v W + mean_v b)``, the mean of the logits without them (an N x D product; exact for a
-    head without a softcap, which is not linear)."""
+    head without a softcap, which is not linear); a low-rank term's ``u @ mean_v B`` added."""
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         out = hidden.detach().float() @ weight.detach().mean(0, dtype=torch.float32)
         if bias is not None:
             out = out + bias.detach().float().mean()
+        if low_rank is not None:
+            out = out + low_rank[0].detach().float() @ low_rank[1].detach().mean(0, dtype=torch.float32)
         return out * scale
 
 
-def _log_sum_sq_probs(hidden, weight, bias, labels, log_probs, scale):
+def _log_sum_sq_probs(hidden, weight, bias, labels, log_probs, scale, low_rank=None):
     """``log sum_v p_v^2`` of each row's ``softmax(scale * z)``, without gradient: ``LSE(2 scale z) - 2 LSE(scale z)``,
     the first the lse of one more forward of the op at twice the scale (2NDV, no logits), the second the label's
-    logit less its log-prob (an N x D product)."""
+    logit less its log-prob (an N x D product); with a low-rank term of the logits (u, B), its part too."""
     with torch.no_grad():
         flat, target = hidden.detach().reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        terms = {}
+        if low_rank is not None:
+            u, B = low_rank[0].detach().reshape(flat.shape[0], -1), low_rank[1].detach()
+            terms = dict(low_rank_input=u, low_rank_weight=B)
         _, lse_doubled = linear_cross_entropy(
             flat, weight.detach(), target, linear_bias=None if bias is None else bias.detach(), reduction="none",
-            logit_scale=2.0 * scale, return_lse=True,
+            logit_scale=2.0 * scale, return_lse=True, **terms,
         )  # fmt: skip
         with torch.autocast(hidden.device.type, enabled=False):
             rows = target.clamp(min=0)
             label_logit = (flat.float() * weight.detach()[rows].float()).sum(-1)
             if bias is not None:
                 label_logit = label_logit + bias.detach()[rows].float()
+            if terms:
+                label_logit = label_logit + (u.float() * B[rows].float()).sum(-1)
             lse = scale * label_logit - log_probs.detach().reshape(-1).float()
         return (lse_doubled - 2.0 * lse).view(labels.shape)
 
@@ -149,7 +158,12 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
             hidden, labels = backbone.last_hidden_state, shift_labels
         head = self.get_output_embeddings()
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
-        weight, bias = head.weight, head.bias
+        weight, bias, low_rank = head.weight, head.bias, None
+        if _lora_of(head) is not None:  # LoRA on the head: a low-rank term (merged into W for the policy loss)
+            if isinstance(weight, DTensor):
+                raise Refused("fused_ce: LoRA on an FSDP2-sharded lm_head is not fused in TRL's head; use TRL's own")
+            merged_for = "linear_policy_loss (GRPOTrainer's fused loss)" if fused_policy is not None else None
+            weight, bias, low_rank = _lora_terms(head, hidden, merged_for)
         if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered (its gradient reduce-scattered back)
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
@@ -157,6 +171,7 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
         if cast_lm_head_to_fp32:  # in float32 outside autocast, as TRL's (whose autocast would cast it back)
             hidden, weight = hidden.float(), weight.float()
             bias = None if bias is None else bias.float()
+            low_rank = None if low_rank is None else (low_rank[0].float(), low_rank[1].float())
             head_precision = torch.autocast(hidden.device.type, enabled=False)
         mask = labels != -100
         keywords = dict(linear_bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
@@ -167,20 +182,24 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
                 )
             return FusedCausalLMOutput(loss=loss, label_mask=mask), stats
         with head_precision:
+            terms = {} if low_rank is None else dict(low_rank_input=low_rank[0], low_rank_weight=low_rank[1])
             out = linear_log_probs(
                 hidden, weight, labels, return_entropy="entropy" in outputs, return_argmax="is_top1" in outputs,
-                **keywords,
+                **keywords, **terms,
             )  # fmt: skip
         log_probs = out if torch.is_tensor(out) else out.log_probs
         entropy = None if torch.is_tensor(out) else out.entropy
         is_top1 = None if torch.is_tensor(out) or out.argmax is None else (out.argmax == labels) & mask
         mean_logits = None
         if "mean_logits" in outputs:  # (TRL's is of the tempered logits, 0 at ignored rows)
-            mean_logits = _mean_logits(hidden, weight, bias, logit_scale / temperature).masked_fill(~mask, 0.0)
+            mean_logits = _mean_logits(hidden, weight, bias, logit_scale / temperature, low_rank)
+            mean_logits = mean_logits.masked_fill(~mask, 0.0)
         log_sum_sq_probs = None
         if "log_sum_sq_probs" in outputs:  # (DPO's WPO weights)
             with head_precision:
-                log_sum_sq_probs = _log_sum_sq_probs(hidden, weight, bias, labels, log_probs, logit_scale / temperature)
+                log_sum_sq_probs = _log_sum_sq_probs(
+                    hidden, weight, bias, labels, log_probs, logit_scale / temperature, low_rank
+                )
             log_sum_sq_probs = log_sum_sq_probs.masked_fill(~mask, 0.0)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None

@@ -1,7 +1,8 @@
 """fused_ce.integrations.axolotl's plugin with axolotl installed (its own CI stage: axolotl 0.21 needs Python >= 3.12
 and pins torch and transformers of its own). On the CPU: a tiny Llama trained by axolotl from a config, with and
-without the plugin, gives the same losses, its lm_head never returning logits with it; a config that also enables
-Liger's fused linear cross-entropy or Cut Cross-Entropy is refused, naming both; examples/axolotl.yml validates."""
+without the plugin (also with LoRA on the lm_head, dropout included), gives the same losses, its lm_head never
+returning logits with it; a config that also enables Liger's fused linear cross-entropy or Cut Cross-Entropy is
+refused, naming both; examples/axolotl.yml validates."""
 
 import json
 import os
@@ -87,15 +88,16 @@ from axolotl.train import train
 cfg = load_cfg(sys.argv[1])
 model, _, trainer = train(cfg=cfg, dataset_meta=load_datasets(cfg=cfg, cli_args=TrainerCliArgs()))
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-print("RESULT " + json.dumps(dict(losses=losses, switched=hasattr(model.forward, "_fused_ce_original"))))
+causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a PEFT model's, with adapters)
+print("RESULT " + json.dumps(dict(losses=losses, switched=hasattr(causal_lm.forward, "_fused_ce_original"))))
 """
 
 
-def _train(root, run, plugins):
+def _train(root, run, plugins, **extra):
     """axolotl's own training (load_cfg, load_datasets, train) from a config file, in a process of its own (axolotl's
     plugin manager is one per process): (losses, whether the model's forward was switched, logits calls)."""
     path = root / f"{run}.yml"
-    path.write_text(yaml.dump(_config(root, run, plugins)))
+    path.write_text(yaml.dump(_config(root, run, plugins, **extra)))
     env = dict(
         os.environ, AXOLOTL_DO_NOT_TRACK="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     )
@@ -106,11 +108,20 @@ def _train(root, run, plugins):
     return result["losses"], result["switched"], json.loads((root / run / "logits_calls.json").read_text())
 
 
-def test_plugin_trains_as_axolotl_does(tmp_path):
+# LoRA as axolotl sets it up, on the lm_head too, with dropout: the head's adapter is the loss's low-rank term, its
+# dropout masks drawn where the head's own call draws them (both runs seeded alike)
+LORA = dict(
+    adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj", "lm_head"]
+)
+
+
+@pytest.mark.parametrize("extra", [{}, LORA], ids=["full", "lora-with-lm-head"])
+def test_plugin_trains_as_axolotl_does(tmp_path, extra):
     _model_and_data(tmp_path)
     counter = "test_axolotl.LogitsCounterPlugin"
-    want, switched, want_logits = _train(tmp_path, "axolotl", [counter])
-    got, fused, got_logits = _train(tmp_path, "fused_ce", ["fused_ce.integrations.axolotl.FusedCEPlugin", counter])
+    want, switched, want_logits = _train(tmp_path, "axolotl", [counter], **extra)
+    plugins = ["fused_ce.integrations.axolotl.FusedCEPlugin", counter]
+    got, fused, got_logits = _train(tmp_path, "fused_ce", plugins, **extra)
     assert not switched and fused
     assert len(want) == 3 and want_logits, "axolotl's own run built no logits: the counter is not counting"
     assert got_logits == [], got_logits
