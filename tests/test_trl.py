@@ -384,7 +384,7 @@ def test_fused_head_takes_a_lora_lm_head(dropout):
     lora = peft.LoraConfig(r=4, target_modules=["lm_head"], lora_dropout=dropout, init_lora_weights=False)
     model = peft.get_peft_model(transformers.Qwen2ForCausalLM(config), lora).get_base_model().train()
     reference, fused = copy.deepcopy(model), copy.deepcopy(model)
-    outputs = ("log_probs", "entropy", "mean_logits")
+    outputs = ("log_probs", "entropy", "mean_logits", "log_sum_sq_probs")
     assert fused_trl.add_fused_lm_head(fused, temperature=0.7, outputs=outputs, _original=trls_head)
     ids = torch.randint(0, 300, (3, 10))
     labels = ids.clone()
@@ -400,6 +400,8 @@ def test_fused_head_takes_a_lora_lm_head(dropout):
     torch.testing.assert_close(got.log_probs, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.entropy, entropy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.mean_logits, torch.where(mask, logits.mean(-1), 0).detach(), rtol=1e-5, atol=1e-5)
+    log_sum_sq = torch.where(mask, (2 * log_p).logsumexp(-1), 0).detach()  # (DPO's WPO weights)
+    torch.testing.assert_close(got.log_sum_sq_probs, log_sum_sq, rtol=1e-5, atol=1e-5)
     (got.log_probs.sum() + got.entropy.sum()).backward()
     (want.sum() + entropy.sum()).backward()
     lora_grads = 0
