@@ -220,3 +220,16 @@ def test_no_grad_forward_and_frozen_base_weight():
     want = torch.autograd.grad(ref, [leaves[0], leaves[3], leaves[4]])
     for v, r in zip(inputs, want, strict=True):
         assert rel_err(v.grad, r) < 1e-5
+
+
+def test_export_keeps_the_term():
+    class Head(torch.nn.Module):
+        def forward(self, x, w, t, u, B):
+            return linear_cross_entropy(x, w, t, reduction="none", low_rank_input=u, low_rank_weight=B)
+
+    x, w, t, _, u, B = low_rank_problem(12, 8, 30)
+    exported = torch.export.export(Head(), (x, w, t, u, B))
+    (op,) = [n for n in exported.graph.nodes if n.target == torch.ops.fused_ce.linear_cross_entropy.default]
+    inputs = [a.name for a in [*op.args, *op.kwargs.values()] if isinstance(a, torch.fx.Node)]
+    assert inputs[-2:] == ["u", "b"], inputs  # (export lower-cases B)
+    torch.testing.assert_close(exported.module()(x, w, t, u, B), Head()(x, w, t, u, B), rtol=0, atol=0)
