@@ -91,28 +91,27 @@ def _check_front(function, op, internal=()):
 _DEFAULT_OPTIONS = _option_arguments("_linear_cross_entropy", "linear_cross_entropy")
 
 
-def _call(input, linear_weight, target, linear_bias, weight, options, low_rank=None):
+def _call(input, linear_weight, target, linear_bias, weight, options, low_rank):
     """(loss, lse, entropy, argmax): the public op where its options suffice (the op saved graphs hold), else
-    the op with every option; ``low_rank``: the logits' low-rank term's (input, weight), or None."""
-    tensors = {} if low_rank is None else {"low_rank_input": low_rank[0], "low_rank_weight": low_rank[1]}
+    the op with every option; ``low_rank``: the logits' low-rank term's arguments (_low_rank)."""
     public = all(options[n] == value for n, value in _DEFAULT_OPTIONS.items() if n not in _PUBLIC_LOSS_OPTIONS)
     if public:
         loss, lse = torch.ops.fused_ce.linear_cross_entropy(
             input, linear_weight, target, linear_bias, weight, **{n: options[n] for n in _PUBLIC_LOSS_OPTIONS},
-            **tensors,
+            **low_rank,
         )  # fmt: skip
         return loss, lse, None, None
     return torch.ops.fused_ce._linear_cross_entropy(
-        input, linear_weight, target, linear_bias, weight, **options, **tensors
+        input, linear_weight, target, linear_bias, weight, **options, **low_rank
     )
 
 
 def _low_rank(caller, low_rank_input, low_rank_weight):
-    """The logits' low-rank term as the ops take it: (input, weight), or None; both or neither."""
+    """The logits' low-rank term as the ops take it, by name ({} without one): both or neither."""
     if (low_rank_input is None) != (low_rank_weight is None):
         missing = "low_rank_weight" if low_rank_weight is None else "low_rank_input"
         raise ValueError(f"{caller}: low_rank_input and low_rank_weight go together: {missing} is missing")
-    return None if low_rank_input is None else (low_rank_input, low_rank_weight)
+    return {} if low_rank_input is None else dict(low_rank_input=low_rank_input, low_rank_weight=low_rank_weight)
 
 
 def _vocab_parallel(input, linear_weight, target, linear_bias, weight, process_group, vocab_start,
@@ -271,7 +270,7 @@ def linear_cross_entropy(
     if linear_weight.dim() > 2:
         if return_argmax:
             raise ValueError("linear_cross_entropy: return_argmax is not supported for a K-dimensional loss")
-        if low_rank is not None:
+        if low_rank:
             raise ValueError("linear_cross_entropy: a low-rank term is not supported for a K-dimensional loss")
         return _k_dimensional(
             input,
@@ -430,9 +429,8 @@ def linear_log_probs(
         return_argmax=return_argmax, workspace_bytes=workspace_bytes,
     )  # fmt: skip
     low_rank = _low_rank("linear_log_probs", low_rank_input, low_rank_weight)
-    tensors = {} if low_rank is None else {"low_rank_input": low_rank[0], "low_rank_weight": low_rank[1]}
     log_probs, entropy, argmax = torch.ops.fused_ce.linear_log_probs(
-        input, linear_weight, target, linear_bias, **options, **tensors
+        input, linear_weight, target, linear_bias, **options, **low_rank
     )
     if not (return_entropy or return_argmax):
         return log_probs
