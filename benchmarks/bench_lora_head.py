@@ -9,8 +9,8 @@ the inputs, or the CPU process's peak resident memory), interleaved over the rep
 - torch: the head as PEFT computes it, then ``F.cross_entropy`` on float32 logits (torch.compile'd with
   ``--compile``);
 - fused_ce: ``linear_cross_entropy(x, W, t, low_rank_input=s * A(dropout(x)), low_rank_weight=B)``;
-- fused_ce merged: ``W + s * B @ A`` as the weight (what GRPO's fused loss takes, which has no low-rank term;
-  without dropout, so not the same function: its cost for comparison).
+- fused_ce merged: ``W + s * B @ A`` as the weight (what the integrations passed before the low-rank term, without
+  dropout, so not the same function: its cost for comparison).
 
 Full rows and 10% ignored. Prints a table (date, device, command) and writes lora_head.json and lora_head.png to
 --out.

@@ -182,9 +182,15 @@ struct PolicyLossOp : torch::CustomClassHolder {
                             args[1],           optional(args[2]), optional(args[3]),
                             optional(args[4]), optional(l.bias),  std::vector<bool>(mask.begin(), mask.end())};
     stack.insert(stack.end(), options.begin(), options.end());
+    stack.insert(stack.end(), {optional(l.low_rank_input), optional(l.low_rank_weight)});
     at::AutoDispatchBelowADInplaceOrView guard;
     op.callBoxed(&stack);
-    if (grads) *grads = {stack[2].toTensor(), stack[3].toTensor(), stack[4].toTensor()};
+    if (grads) {
+      *grads = {stack[2].toTensor(), stack[3].toTensor(), stack[4].toTensor()};
+      if (l.low_rank_input.defined()) {  // (after dW's scale, which the policy loss has not: scaled_forward_grads)
+        grads->insert(grads->end(), {at::empty({0}, l.input.options()), stack[5].toTensor(), stack[6].toTensor()});
+      }
+    }
     return {stack[0].toTensor(), stack[1].toTensor()};
   }
 
@@ -272,12 +278,13 @@ PolicyOutputs linear_policy_loss(const at::Tensor& input, const at::Tensor& line
                                  const std::optional<at::Tensor>& old_log_probs,
                                  const std::optional<at::Tensor>& ref_log_probs,
                                  const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
-                                     FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+                                     FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const auto op =
       policy_loss_op(target, advantages, token_weights, old_log_probs,
                      ref_log_probs FUSED_CE_ARGS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
-  const auto out =
-      op->with_grad({input, linear_weight, linear_bias.value_or(at::Tensor())}, {false, false, false}, nullptr);
+  const auto out = op->with_grad({input, linear_weight, linear_bias.value_or(at::Tensor()),
+                                  low_rank_input.value_or(at::Tensor()), low_rank_weight.value_or(at::Tensor())},
+                                 {false, false, false}, nullptr);
   return {out[0], out[1]};
 }
 
@@ -286,7 +293,7 @@ PolicyOutputs linear_policy_loss_autograd(
     const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
     const std::optional<at::Tensor>& ref_log_probs,
     const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
-        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const char* caller = "linear_policy_loss";
   for (const auto& [name, t] : {std::pair<const char*, std::optional<at::Tensor>>{"advantages", advantages},
                                 {"token_weights", token_weights},
@@ -294,7 +301,8 @@ PolicyOutputs linear_policy_loss_autograd(
                                 {"ref_log_probs", ref_log_probs}}) {
     check_not_differentiable(caller, name, t);
   }
-  const Linear l{input, linear_weight, linear_bias.value_or(at::Tensor())};
+  const Linear l{input, linear_weight, linear_bias.value_or(at::Tensor()), low_rank_input.value_or(at::Tensor()),
+                 low_rank_weight.value_or(at::Tensor())};
   auto op = policy_loss_op(target, advantages, token_weights, old_log_probs,
                            ref_log_probs FUSED_CE_ARGS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
   if (!needs_autograd(caller, l)) {
@@ -302,7 +310,7 @@ PolicyOutputs linear_policy_loss_autograd(
     const auto out = op->with_grad(l, {false, false, false}, nullptr);
     return {out[0], out[1]};
   }
-  auto out = OpFunction<PolicyLossOp>::apply(input, linear_weight, linear_bias, std::nullopt, std::nullopt, op);
+  auto out = OpFunction<PolicyLossOp>::apply(input, linear_weight, linear_bias, low_rank_input, low_rank_weight, op);
   return {out[0], out[1]};
 }
 

@@ -35,13 +35,13 @@ PolicyOutputs linear_policy_loss_autograd(
     const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
     const std::optional<at::Tensor>& ref_log_probs,
     const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
-        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS));
+        FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS);
 // linear_policy_loss's CPU and CUDA kernel: its forward with gradient asked for none.
 PolicyOutputs linear_policy_loss(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                                  const at::Tensor& advantages, const std::optional<at::Tensor>& token_weights,
                                  const std::optional<at::Tensor>& old_log_probs,
                                  const std::optional<at::Tensor>& ref_log_probs,
                                  const std::optional<at::Tensor>& linear_bias FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
-                                     FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS));
+                                     FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS);
 
 }  // namespace fused_ce

@@ -199,11 +199,14 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
   return {call.loss(s), lse, entropy, argmax, gx, gw, gb, gw_scale, gu, gb_low_rank};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_policy_loss_with_grad(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
-    const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
-    const std::optional<at::Tensor>& ref_log_probs, const std::optional<at::Tensor>& linear_bias,
-    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS)) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_policy_loss_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                             const at::Tensor& advantages, const std::optional<at::Tensor>& token_weights,
+                             const std::optional<at::Tensor>& old_log_probs,
+                             const std::optional<at::Tensor>& ref_log_probs,
+                             const std::optional<at::Tensor>& linear_bias,
+                             std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
+                                 FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   const TemperedLogits tempered = at_temperature("linear_policy_loss", temperature, softcap, logit_scale);
   TORCH_CHECK_VALUE(clip_low >= 0.0 && clip_low < 1.0 && clip_high >= 0.0 && std::isfinite(clip_high),
@@ -216,8 +219,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
                        entropy_coef != 0.0 || return_stats, return_stats FUSED_CE_ARGS(FUSED_CE_SHARD_OPTIONS));
   o.policy_loss = true;
   const std::optional<at::Tensor> no_class_weights;
-  const Call call({input, linear_weight, target, linear_bias, no_class_weights}, std::move(o), Pass::ForwardWithGrad,
-                  {});
+  const Call call({input, linear_weight, target, linear_bias, no_class_weights, low_rank_input, low_rank_weight},
+                  std::move(o), Pass::ForwardWithGrad, {});
   const auto per_token = [&](const char* name, const std::optional<at::Tensor>& t) {
     if (!t || !t->defined()) return;
     TORCH_CHECK_VALUE(t->sizes() == target.sizes(), "linear_policy_loss: ", name, " must have the target's shape ",
@@ -238,9 +241,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
     return policy.coefficients(begin, end, s);
   };
   const auto [s, g] = forward_with_grad(call.shard(), call.options, call.plan, source, output_mask);
-  const auto [gx, gw, gb] = call.grads(g, input.scalar_type() == at::kHalf);
+  const bool half = input.scalar_type() == at::kHalf;
+  const auto [gx, gw, gb] = call.grads(g, half);
+  const auto [gu, gb_low_rank] = call.low_rank_grads(g, half);
   const at::Tensor stats = policy.stats();
-  return {call.flagged(policy.loss()), stats.numel() > 0 ? call.per_target(stats) : stats, gx, gw, gb};
+  return {call.flagged(policy.loss()), stats.numel() > 0 ? call.per_target(stats) : stats, gx, gw, gb, gu, gb_low_rank};
 }
 
 bool gradients_in_forward(const LossOptions& o, const at::Tensor& input) {

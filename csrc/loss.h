@@ -98,14 +98,18 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
                                    FUSED_CE_LOW_RANK_PARAMS);
 
-// fused_ce::linear_policy_loss_with_grad: (loss, stats, grad_input, grad_linear_weight, grad_linear_bias) of the
-// policy-gradient objective (policy.h) for an upstream gradient of 1, the gradients formed from the same logits
-// as the loss (6NDV); stats [6] with return_stats (else empty). float16's gradients in float32, as above.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_policy_loss_with_grad(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& advantages,
-    const std::optional<at::Tensor>& token_weights, const std::optional<at::Tensor>& old_log_probs,
-    const std::optional<at::Tensor>& ref_log_probs, const std::optional<at::Tensor>& linear_bias,
-    std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS) FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS));
+// fused_ce::linear_policy_loss_with_grad: (loss, stats, grad_input, grad_linear_weight, grad_linear_bias,
+// grad_low_rank_input, grad_low_rank_weight) of the policy-gradient objective (policy.h) for an upstream gradient of
+// 1, the gradients formed from the same logits as the loss (6NDV); stats [6] with return_stats (else empty); the
+// low-rank term's gradients empty without one. float16's gradients in float32, as above.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_policy_loss_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                             const at::Tensor& advantages, const std::optional<at::Tensor>& token_weights,
+                             const std::optional<at::Tensor>& old_log_probs,
+                             const std::optional<at::Tensor>& ref_log_probs,
+                             const std::optional<at::Tensor>& linear_bias,
+                             std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
+                                 FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS);
 
 // fused_ce::_plan: the plan of one of the three ops for these arguments (plan.h,
 // plan_fields), without running it (the targets are prepared: one host read).

@@ -165,14 +165,14 @@ TORCH_LIBRARY(fused_ce, m) {
   m.def(
       "linear_policy_loss(Tensor input, Tensor linear_weight, Tensor target, Tensor advantages, "
       "Tensor? token_weights=None, Tensor? old_log_probs=None, Tensor? ref_log_probs=None, "
-      "Tensor? linear_bias=None" FUSED_CE_SCHEMA(FUSED_CE_POLICY_OPTIONS)
-          FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor loss, Tensor stats)",
+      "Tensor? linear_bias=None" FUSED_CE_SCHEMA(FUSED_CE_POLICY_OPTIONS) FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS)
+          FUSED_CE_LOW_RANK_SCHEMA ") -> (Tensor loss, Tensor stats)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "linear_policy_loss_with_grad(Tensor input, Tensor linear_weight, Tensor target, Tensor advantages, "
       "Tensor? token_weights, Tensor? old_log_probs, Tensor? ref_log_probs, Tensor? linear_bias, "
-      "bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_POLICY_OPTIONS)
-          FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS) ") -> (Tensor loss, Tensor stats, Tensor, Tensor, Tensor)",
+      "bool[3] output_mask" FUSED_CE_SCHEMA(FUSED_CE_POLICY_OPTIONS) FUSED_CE_SCHEMA(FUSED_CE_SHARD_OPTIONS)
+          FUSED_CE_LOW_RANK_SCHEMA ") -> (Tensor loss, Tensor stats, Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def("linear_distillation_loss(" FUSED_CE_DISTILLATION_TENSORS("=None")
             FUSED_CE_SCHEMA(FUSED_CE_DISTILLATION_OPTIONS) ") -> (Tensor loss, Tensor entropy)",

@@ -189,7 +189,8 @@ def _scale_grad_fake(grad, scale):
 
 def _policy_outputs(a):
     input = a["input"]
-    names = ("linear_weight", "target", "advantages", "token_weights", "old_log_probs", "ref_log_probs", "linear_bias")
+    names = ("linear_weight", "target", "advantages", "token_weights", "old_log_probs", "ref_log_probs", "linear_bias",
+             "low_rank_input", "low_rank_weight")  # fmt: skip
     _check_devices("linear_policy_loss", input, **{n: a[n] for n in names})
     loss = input.new_empty((), dtype=_loss_dtype(input))
     return loss, loss.new_empty((6, *a["target"].shape) if a["return_stats"] else (0,))
@@ -204,9 +205,10 @@ def _linear_policy_loss_fake(*args, **kwargs):
 def _linear_policy_loss_with_grad_fake(*args, **kwargs):
     a = _arguments(torch.ops.fused_ce.linear_policy_loss_with_grad.default, args, kwargs)
     grads = _grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"])
-    if a["input"].dtype == torch.float16:  # float32 until the backward scales them (csrc/loss.h)
+    half = a["input"].dtype == torch.float16
+    if half:  # float32 until the backward scales them (csrc/loss.h)
         grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
-    return (*_policy_outputs(a), *grads)
+    return (*_policy_outputs(a), *grads, *_low_rank_grads(a, torch.float32 if half else None))
 
 
 def _distillation_outputs(a):

@@ -471,6 +471,8 @@ def linear_policy_loss(
     return_stats: bool | str = False,
     process_group=None,
     workspace_bytes: int | None = None,
+    low_rank_input: Tensor | None = None,
+    low_rank_weight: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, PolicyStats]:
     r"""A policy-gradient loss (PPO-clip / GRPO, with a k3 KL and an entropy bonus) from the lm_head's input, without
     the logits, its gradients formed in the forward from one evaluation of them (6·N·D·V flops).
@@ -498,6 +500,8 @@ def linear_policy_loss(
             accuracy), computed in the same pass; ``"per_token"``: each token's (ratio, clipped below and above as
             0 or 1, KL, entropy, whether the action is the most likely token), shaped like ``actions``, for
             per-sequence figures (TRL's ``clip_ratio/low_min``: the least of the sequences' low-clipped fractions).
+        low_rank_input, low_rank_weight: a low-rank term of the logits (LoRA on the head, its dropout included),
+            as in :func:`linear_cross_entropy`.
 
     Returns:
         The float32 loss, or ``(loss, PolicyStats)``.
@@ -513,9 +517,11 @@ def linear_policy_loss(
         temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
         return_stats=bool(return_stats), workspace_bytes=workspace_bytes,
     )  # fmt: skip
+    low_rank = _low_rank("linear_policy_loss", low_rank_input, low_rank_weight)
     loss, stats = torch.ops.fused_ce.linear_policy_loss(
-        input, linear_weight, actions, advantages, token_weights, old_log_probs, ref_log_probs, linear_bias, **options
-    )
+        input, linear_weight, actions, advantages, token_weights, old_log_probs, ref_log_probs, linear_bias, **options,
+        **low_rank,
+    )  # fmt: skip
     if not return_stats:
         return loss
     if return_stats == "per_token":

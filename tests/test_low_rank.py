@@ -233,3 +233,32 @@ def test_export_keeps_the_term():
     inputs = [a.name for a in [*op.args, *op.kwargs.values()] if isinstance(a, torch.fx.Node)]
     assert inputs[-2:] == ["u", "b"], inputs  # (export lower-cases B)
     torch.testing.assert_close(exported.module()(x, w, t, u, B), Head()(x, w, t, u, B), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_loss_takes_the_term(device):
+    """linear_policy_loss with the term against the same loss of the concatenations [x, u] and [W, B] (one linear
+    map: the op's tested path), loss, stats and every gradient; and its forward with gradient under opcheck."""
+    x, w, t, _, u, B = low_rank_problem(30, 16, 64, device=device, rows=(2,))
+    advantages = torch.randn(2, 30, device=device)
+    old = -torch.rand(2, 30, device=device) * 3
+    keywords = dict(old_log_probs=old, kl_coef=0.1, ref_log_probs=old - 0.1, temperature=0.8, return_stats=True)
+    inputs = [v.requires_grad_() for v in (x, w, u, B)]
+    loss, stats = fused_ce.linear_policy_loss(
+        x, w, t, advantages, low_rank_input=u, low_rank_weight=B, **keywords
+    )  # fmt: skip
+    got = torch.autograd.grad(loss, inputs)
+    xa, wa = torch.cat([x, u], -1).detach().requires_grad_(), torch.cat([w, B], -1).detach().requires_grad_()
+    want_loss, want_stats = fused_ce.linear_policy_loss(xa, wa, t, advantages, **keywords)
+    gxa, gwa = torch.autograd.grad(want_loss, (xa, wa))
+    want = (gxa[..., :16], gwa[:, :16], gxa[..., 16:], gwa[:, 16:])
+    assert rel_err(loss, want_loss) < 1e-6
+    for a, b in zip(stats, want_stats, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-5
+    args = (x.detach(), w.detach(), t, advantages, None, old, None, None, [True, False, False])
+    torch.library.opcheck(
+        torch.ops.fused_ce.linear_policy_loss_with_grad.default, args, dict(low_rank_input=u.detach(),
+                                                                            low_rank_weight=B.detach()),
+    )  # fmt: skip

@@ -373,7 +373,7 @@ def test_mean_logits_and_wpo_weights_match_trls():
 def test_fused_head_takes_a_lora_lm_head(dropout):
     """LoRA on the lm_head (which TRL's own head leaves out, reading the base weight): the head's logits as the model
     computes them, the adapters a low-rank term (the dropout masks its call would draw); log-probs, entropy, mean
-    logits and the adapters' gradients as the model's own head gives them."""
+    logits, WPO weights, GRPO's fused loss and the adapters' gradients as the model's own head gives them."""
     peft = pytest.importorskip("peft", reason="needs peft")
     from trl.trainer.utils import add_fused_lm_head as trls_head
 
@@ -410,26 +410,25 @@ def test_fused_head_takes_a_lora_lm_head(dropout):
             lora_grads += "lora_" in name
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert lora_grads == 2
+    # GRPO's fused loss: the same term (linear_policy_loss takes it too), its gradients reaching A and B
     policy = dict(advantages=torch.randn(3, 9))
-    if dropout:  # GRPO's fused loss takes no low-rank term: refused by name
-        from fused_ce.integrations.transformers import Refused
-
-        with pytest.raises(Refused, match=r"linear_policy_loss \(GRPOTrainer's fused loss\) takes no low-rank term"):
-            fused(input_ids=ids, labels=labels, fused_lm_head=True, fused_policy=policy)
-        return
-    # without dropout GRPO's fused loss takes the adapters merged into W: its gradients reach A and B
     fused.zero_grad()
+    torch.manual_seed(2)
     out, _ = fused(input_ids=ids, labels=labels, fused_lm_head=True, fused_policy=policy)
     out.loss.backward()
-    head = reference.lm_head
-    merged = (
-        head.base_layer.weight + head.scaling["default"] * head.lora_B["default"].weight @ head.lora_A["default"].weight
-    )
-    hidden = reference.model(input_ids=ids).last_hidden_state[:, :-1]
     reference.zero_grad()
-    linear_policy_loss(hidden, merged, labels[:, 1:], policy["advantages"], temperature=0.7).backward()
+    torch.manual_seed(2)
+    head = reference.lm_head
+    hidden = reference.model(input_ids=ids).last_hidden_state[:, :-1]
+    u = head.lora_A["default"](head.lora_dropout["default"](hidden)) * head.scaling["default"]
+    want_loss = linear_policy_loss(
+        hidden, head.base_layer.weight, labels[:, 1:], policy["advantages"], temperature=0.7, low_rank_input=u,
+        low_rank_weight=head.lora_B["default"].weight,
+    )  # fmt: skip
+    want_loss.backward()
+    torch.testing.assert_close(out.loss, want_loss, rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(fused.named_parameters(), reference.parameters()):
-        if "lora_" in name:
+        if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 

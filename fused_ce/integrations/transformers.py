@@ -232,41 +232,21 @@ def _active_lora_adapters(head):
     return adapters
 
 
-def _dropout_active(head, adapter):
-    dropout = head.lora_dropout[adapter]
-    return head.training and isinstance(dropout, nn.Dropout) and dropout.p > 0
-
-
-def _lora_terms(head, hidden, merged_for=None):
+def _lora_terms(head, hidden):
     """(weight, bias, low_rank) of a LoRA head's logits for its input ``hidden``: the active adapters as the loss's
     low-rank term, ``low_rank = (cat_a scale_a * A_a(dropout_a(hidden)), cat_a B_a)`` (the ranks side by side: the
-    sum of the adapters' products), the dropout drawn here as the head's own call would draw it. No ``V x D`` sum
-    is formed, and a frozen base weight gets no ``V x D`` gradient to pass on to A and B. ``merged_for``: a loss
-    that takes no low-rank term (named), which gets the weight ``W + sum_a scale_a * B_a A_a`` (differentiable in A
-    and B) instead, an adapter with dropout on its input Refused."""
+    sum of the adapters' products; None without an active adapter), the dropout drawn here as the head's own call
+    would draw it. No ``V x D`` sum ``W + s B A`` is formed, and a frozen base weight gets no ``V x D`` gradient to
+    pass on to A and B."""
     base = head.base_layer
-    weight, bias = base.weight, base.bias
-    adapters = _active_lora_adapters(head)
-    if not adapters:
-        return weight, bias, None
-    if merged_for is not None:
-        for adapter in adapters:
-            if _dropout_active(head, adapter):
-                raise Refused(
-                    f"fused_ce: {merged_for} takes no low-rank term: the LoRA adapter {adapter!r} on the lm_head has "
-                    f"dropout {head.lora_dropout[adapter].p} on its input, which only the cross-entropy and log-prob "
-                    "losses take; set lora_dropout=0 (or leave the lm_head out of target_modules)"
-                )
-            a, b = head.lora_A[adapter].weight, head.lora_B[adapter].weight
-            weight = weight + head.scaling[adapter] * (b @ a).to(weight.dtype)
-        return weight, bias, None
     inputs, weights = [], []
-    for adapter in adapters:  # (in the head's order: the dropout masks are the ones its call draws)
+    for adapter in _active_lora_adapters(head):  # (in the head's order: the dropout masks its call draws)
         lora_a, lora_b = head.lora_A[adapter], head.lora_B[adapter]
         dropped = head.lora_dropout[adapter](hidden.to(lora_a.weight.dtype))
         inputs.append((lora_a(dropped) * head.scaling[adapter]).to(hidden.dtype))
         weights.append(lora_b.weight.to(hidden.dtype))
-    return weight, bias, (torch.cat(inputs, -1), torch.cat(weights, -1))
+    low_rank = (torch.cat(inputs, -1), torch.cat(weights, -1)) if inputs else None
+    return base.weight, base.bias, low_rank
 
 
 # The rewritten forward calls these (the names the rewriter gives them).

@@ -159,11 +159,10 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
         head = self.get_output_embeddings()
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
         weight, bias, low_rank = head.weight, head.bias, None
-        if _lora_of(head) is not None:  # LoRA on the head: a low-rank term (merged into W for the policy loss)
+        if _lora_of(head) is not None:  # LoRA on the head: its adapters the losses' low-rank term
             if isinstance(weight, DTensor):
                 raise Refused("fused_ce: LoRA on an FSDP2-sharded lm_head is not fused in TRL's head; use TRL's own")
-            merged_for = "linear_policy_loss (GRPOTrainer's fused loss)" if fused_policy is not None else None
-            weight, bias, low_rank = _lora_terms(head, hidden, merged_for)
+            weight, bias, low_rank = _lora_terms(head, hidden)
         if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered (its gradient reduce-scattered back)
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
@@ -175,6 +174,8 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
             head_precision = torch.autocast(hidden.device.type, enabled=False)
         mask = labels != -100
         keywords = dict(linear_bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+        if low_rank is not None:
+            keywords.update(low_rank_input=low_rank[0], low_rank_weight=low_rank[1])
         if fused_policy is not None:  # GRPOTrainer's loss (_compute_loss below): the policy loss over these tokens
             with head_precision:
                 loss, stats = linear_policy_loss(
@@ -182,10 +183,9 @@ def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, output
                 )
             return FusedCausalLMOutput(loss=loss, label_mask=mask), stats
         with head_precision:
-            terms = {} if low_rank is None else dict(low_rank_input=low_rank[0], low_rank_weight=low_rank[1])
             out = linear_log_probs(
                 hidden, weight, labels, return_entropy="entropy" in outputs, return_argmax="is_top1" in outputs,
-                **keywords, **terms,
+                **keywords,
             )  # fmt: skip
         log_probs = out if torch.is_tensor(out) else out.log_probs
         entropy = None if torch.is_tensor(out) else out.entropy
