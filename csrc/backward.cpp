@@ -42,10 +42,9 @@ class Workspace {
 // rows' tiles and buffers take the kept tensor's storage after them (Pass::BackwardFromLogits' plan).
 Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& plan, const GradCoefficients& c,
                          GradMask need, const at::Tensor& kept = {}) {
-  TORCH_CHECK(!p.low_rank.defined(), "fused_ce: a low-rank term's gradients run on the ATen stages (plan.cpp)");
   const bool need_x = need[0], need_w = need[1], need_b = need[2] && p.bias.defined();
   Grads g = allocate_grads(p, plan, need);
-  if (p.N == 0 || !(need_x || need_w || need_b)) return g;
+  if (p.N == 0 || !(need_x || need_w || need_b || g.low_rank_input.defined())) return g;
   // The kernel multiplies the gradient by logit_scale / logits_scale (reading_stored_logits): the
   // coefficients take logits_scale, so that the blocks hold the gradient itself.
   const GradCoefficients scaled = plan.logits_scale == 1.0 ? c : c.scaled(plan.logits_scale);
@@ -58,6 +57,7 @@ Grads stored_logit_grads(const Problem& p, const LossOptions& o, const Plan& pla
     if (need_x) gemm_into(gx, block, pt.w, /*accumulate=*/v0 > 0);
     if (need_w) gemm_into(g.weight.narrow(0, v0, pt.V), block.t(), x, /*accumulate=*/r0 > 0);
     if (need_b) add_column_sums(g.bias.narrow(0, v0, pt.V), block, ones);
+    add_low_rank_grads(p, g, pt, block, r0, v0);
   };
   if (first > 0) {  // the kept rows: whole rows, their dX in one product
     const Problem pr = stored.block(0, first);

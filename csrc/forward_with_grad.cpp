@@ -106,7 +106,6 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
 // products with W and X.
 std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, const Plan& plan,
                                        const CoefficientSource& c, GradMask need) {
-  TORCH_CHECK(!p.low_rank.defined(), "fused_ce: a low-rank term's gradients run on the ATen stages (plan.cpp)");
   const RowStats s = stats_from_stored_logits(p, o, plan, plan.stats_block_rows);
   if (o.vocab_parallel()) combine_vocab_shards(p, s, o);
   const int64_t rows = plan.block_rows, cols = plan.tile_cols;
@@ -127,6 +126,7 @@ std::pair<RowStats, Grads> vocab_tiles(const Problem& p, const LossOptions& o, c
       if (need[0]) gemm_into(g.input.narrow(0, r0, r1 - r0), block, pt.w, v0 > 0);
       if (need[1]) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), pr.x, r0 > 0);
       if (need[2]) add_column_sums(g.bias.narrow(0, v0, v1 - v0), block, ones);
+      add_low_rank_grads(p, g, pt, block, r0, v0);
     }
   }
   return {s, g};

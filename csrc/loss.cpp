@@ -86,10 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_c
     const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   LossOptions o = LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS));
-  // (a low-rank term runs on the ATen stages, which keep no logits: plan.cpp)
-  const bool low_rank = low_rank_input && low_rank_input->defined();
-  const std::optional<c10::SymInt> kept =
-      low_rank ? std::nullopt : kept_logit_rows(input, linear_weight, target, o, device_facts(input));
+  const std::optional<c10::SymInt> kept = kept_logit_rows(input, linear_weight, target, o, device_facts(input));
   if (!kept) {  // none kept: the forward alone
     return std::tuple_cat(
         forward_outputs({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight},
@@ -97,8 +94,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_c
         std::make_tuple(at::empty({0, linear_weight.size(0)}, input.options())));
   }
   const int64_t capacity = kept->guard_int(__FILE__, __LINE__);
-  const Call call({input, linear_weight, target, linear_bias, weight}, std::move(o), Pass::ForwardKeepingLogits, {},
-                  capacity);
+  const Call call({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight}, std::move(o),
+                  Pass::ForwardKeepingLogits, {}, capacity);
   const Problem shard = call.shard();
   const int64_t kept_n = std::min(capacity, call.run.N);  // the first rows of the run's order
   at::Tensor logits;
@@ -133,12 +130,7 @@ CrossEntropyGrads _linear_cross_entropy_backward_from_logits(
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
   const bool lse_of_ignored = grad_lse && grad_lse->defined();
-  if (low_rank_input && low_rank_input->defined()) {  // (the forward kept none: plan.cpp)
-    return linear_cross_entropy_backward(grad_loss, grad_lse, grad_entropy, input, linear_weight, target, linear_bias,
-                                         weight, lse, entropy, output_mask FUSED_CE_ARGS(FUSED_CE_ALL_OPTIONS),
-                                         low_rank_input, low_rank_weight);
-  }
-  const Call call({input, linear_weight, target, linear_bias, weight},
+  const Call call({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight},
                   LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)), Pass::BackwardFromLogits,
                   {/*check=*/false}, logits.size(0));
   if (lse_of_ignored && !(call.counted_rows.known() && call.counted_rows.counted == call.problem.N)) {

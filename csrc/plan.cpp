@@ -14,27 +14,32 @@ namespace {
 // kept-logits passes' kept rows (-1: the forward's every row).
 Plan plan_rows(const Problem& p, const LossOptions& o, const DeviceFacts& device, Pass pass, bool selected,
                int64_t kept_rows = -1) {
-  Plan plan;
-  plan.device = device;
-  plan.pass = pass;
-  plan.rows = p.N;
-  if (pass == Pass::ForwardKeepingLogits) plan.kept_rows = kept_rows >= 0 ? std::min(kept_rows, p.N) : p.N;
-  if (pass == Pass::BackwardFromLogits) plan.kept_rows = std::clamp<int64_t>(kept_rows, 0, p.N);
-  plan.counted_rows_only = selected;
-  plan.budget_bytes = o.workspace_bytes.value_or(device.cuda ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
-  const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
+  const auto unplanned = [&] {
+    Plan plan;
+    plan.device = device;
+    plan.pass = pass;
+    plan.rows = p.N;
+    if (pass == Pass::ForwardKeepingLogits) plan.kept_rows = kept_rows >= 0 ? std::min(kept_rows, p.N) : p.N;
+    if (pass == Pass::BackwardFromLogits) plan.kept_rows = std::clamp<int64_t>(kept_rows, 0, p.N);
+    plan.counted_rows_only = selected;
+    plan.budget_bytes = o.workspace_bytes.value_or(device.cuda ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
+    return plan;
+  };
+  Plan plan = unplanned();
   if (p.distills()) {
     TORCH_CHECK(pass == Pass::Forward || pass == Pass::ForwardWithGrad, "fused_ce: a distillation's passes are ",
                 "the forward and the forward with gradient");
     plan_distillation(plan, p, o);
-  } else if (device.row_kernels(p.N) && !p.low_rank.defined()) {
-    plan_kernels(plan, p, o, selected);
-  } else {
-    // (a low-rank term runs on the ATen stages, whose products add it: the kernels' tiles and rank-one smoothing
-    // do not know it)
-    TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
-    plan_aten_chunks(plan, p, o, selected);
+    return plan;
   }
+  if (device.row_kernels(p.N)) {
+    plan_kernels(plan, p, o, selected);
+    if (!(p.low_rank.defined() && plan.strategy == Strategy::DotTiles)) return plan;
+    plan = unplanned();  // (the tl.dot tiles form logits of their own, without a low-rank term: the ATen stages)
+  }
+  const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
+  TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
+  plan_aten_chunks(plan, p, o, selected);
   return plan;
 }
 

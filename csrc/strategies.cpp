@@ -210,7 +210,7 @@ struct KernelContext {
   int64_t capacity;   // rows of stored logits within the budget
   int64_t row_bytes;  // a stored row's bytes
   bool stored;        // room for cuBLAS-sized blocks (or all rows)
-  bool rank_one;      // label smoothing's rank-one terms (not to float16's scaled blocks)
+  bool rank_one;      // label smoothing's rank-one terms (not to float16's scaled blocks, nor a low-rank term)
 
   KernelContext(const Plan& plan, const Problem& problem, const LossOptions& options, bool selected_rows)
       : p(problem),
@@ -222,7 +222,8 @@ struct KernelContext {
         capacity(stored_logits_rows(problem, plan.device, plan.budget_bytes, gathered)),
         row_bytes(logits_row_bytes(problem, plan.device) + gathered),
         stored(capacity >= arch.min_stored_rows || capacity == problem.N),
-        rank_one(options.smoothing() && problem.class_weight.defined() && !problem.softcap.has_value() && !half) {}
+        rank_one(options.smoothing() && problem.class_weight.defined() && !problem.softcap.has_value() && !half &&
+                 !problem.low_rank.defined()) {}
 
   int64_t balanced(int64_t rows, int64_t cap) const { return balanced_block_rows(rows, cap, arch.gemm_tile_rows); }
 

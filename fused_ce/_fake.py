@@ -117,10 +117,8 @@ _check_kept_rows()
 
 def _kept_logit_rows(input, linear_weight, target, options):
     """kept_logit_rows (csrc/plan.h) from shapes: 0 where none are kept (a scalar loss, a device or dtype without
-    the kernels, a low-rank term)."""
+    the kernels)."""
     if options["reduction"] != "none" or not torch.ops.fused_ce._cuda_kernels_embedded(input.device, input.dtype):
-        return 0
-    if options["low_rank_input"] is not None:
         return 0
     V = options["max_shard_rows"] if options["process_group"] else linear_weight.shape[0]
     rows = _kept_rows(target.numel(), V, input.shape[-1], input.element_size(), options["workspace_bytes"])

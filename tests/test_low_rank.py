@@ -180,10 +180,71 @@ def test_torchscript_calls_the_public_op_with_the_term():
     assert rel_err(f(x, w, t, u, B), float64_reference(x, w, t, None, u, B)[1]) < 1e-6
 
 
-def test_plan_runs_the_aten_stages_and_keeps_no_logits():
+def test_plan_on_the_cpu_runs_the_aten_stages():
     x, w, t, _, u, B = low_rank_problem(10, 8, 30)
     plan = fused_ce.plan(x, w, t, reduction="none", low_rank_input=u, low_rank_weight=B)
     assert plan.strategy == "aten_chunks" and not plan.keeps_logits
+
+
+# (reduction, float32's workspace_bytes, N, D, V; the first pass's plan in float32): each case a kernel plan
+KERNEL_PLANS = {
+    "stored_logits": ("mean", None, 600, 64, 3000, ("forward_with_grad", "stored_logits", False)),
+    "vocab_tiles": ("mean", 4 << 20, 4096, 256, 5000, ("forward_with_grad", "vocab_tiles", False)),
+    "kept_logits": ("none", 1 << 34, 1000, 128, 3008, ("forward_keeping_logits", "stored_logits", True)),
+    # the first rows' logits kept, the others' gradient tiles in their storage; the recomputing backward in tiles
+    "partly_kept": ("none", 20 << 20, 4096, 128, 8192, ("forward_keeping_logits", "stored_logits", True)),
+    # too small for cuBLAS-sized blocks: dot_tiles without the term, the ATen stages with it
+    "dot_tiles": ("none", 1 << 16, 300, 64, 3000, ("forward", "aten_chunks", False)),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(KERNEL_PLANS))
+def test_kernel_plans_take_the_term(case, dtype):
+    """On CUDA the term takes the plan the call takes without it (the stored cuBLAS logits, their vocabulary tiles,
+    the kept logits of a per-row loss, whole or in part, the recomputing backward), but dot_tiles, whose kernels
+    form logits of their own: the ATen stages there. Loss and every gradient (x, W, b, u, B; ignored rows
+    included), the first backward's and a second one's through the retained graph (which computes them again),
+    against float64: float32 within 1e-5, bfloat16 and float16 within 2x torch eager's own error."""
+    reduction, workspace, N, D, V, first_plan = KERNEL_PLANS[case]
+    if workspace is not None and case != "dot_tiles":
+        workspace = workspace * dtype.itemsize // 4  # (the same rows in the dtype's bytes)
+    x, w, t, b, u, B = low_rank_problem(N, D, V, dtype=dtype, device="cuda", bias=True)
+    inputs = [v.requires_grad_() for v in (x, w, b, u, B)]
+    kw = dict(reduction=reduction, linear_bias=b, workspace_bytes=workspace)
+    for pass_ in (None, "backward"):
+        without = fused_ce.plan(x, w, t, pass_=pass_, **kw)
+        plan = fused_ce.plan(x, w, t, pass_=pass_, low_rank_input=u, low_rank_weight=B, **kw)
+        if case == "dot_tiles":
+            assert (without.strategy, plan.strategy) == ("dot_tiles", "aten_chunks"), (without, plan)
+        else:
+            assert plan == without and plan.strategy != "aten_chunks", plan
+    first = fused_ce.plan(x, w, t, low_rank_input=u, low_rank_weight=B, **kw)
+    if dtype == torch.float32:
+        assert (first.pass_, first.strategy, first.keeps_logits) == first_plan, first
+    if case == "partly_kept":
+        assert 0 < first.kept_rows < (t >= 0).sum(), first
+        assert fused_ce.plan(x, w, t, pass_="backward", **kw).strategy == "vocab_tiles"
+
+    loss = linear_cross_entropy(x, w, t, low_rank_input=u, low_rank_weight=B, **kw)
+    upstream = torch.randn(loss.shape, dtype=torch.float64, device="cuda")
+    objective = (loss * upstream.to(loss.dtype)).sum()
+    first_grads = torch.autograd.grad(objective, inputs, retain_graph=True)
+    again = torch.autograd.grad(objective, inputs)
+    leaves, ref = float64_reference(x, w, t, b, u, B, reduction=reduction)
+    want = grads_of(ref, leaves, upstream)
+    if dtype == torch.float32:
+        bounds = [1e-5] * 6
+    else:  # torch eager: its logits in the input dtype, the loss in float32
+        eager = torch.nn.functional.cross_entropy((x @ w.T + u @ B.T + b).float(), t, reduction=reduction)
+        bounds = [2 * rel_err(e, r) + 1e-6 for e, r in zip([eager, *grads_of(eager, inputs, upstream.float())],
+                                                            [ref, *want])]  # fmt: skip
+    assert rel_err(loss, ref) <= bounds[0], (rel_err(loss, ref), bounds[0])
+    for got in (first_grads, again):
+        for name, g, r, bound in zip("x w b u B".split(), got, want, bounds[1:], strict=True):
+            assert g.dtype == dtype, name
+            assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
 
 
 def test_errors_name_the_argument():
