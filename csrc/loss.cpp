@@ -259,11 +259,7 @@ void _plan(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool differentiable = at::GradMode::is_enabled() &&
                               (input.requires_grad() || linear_weight.requires_grad() || wants_grad(linear_bias) ||
                                wants_grad(low_rank_input) || wants_grad(low_rank_weight));
-  // (a low-rank term keeps no logits: _linear_cross_entropy_keeping_logits)
-  const auto kept_logits = [&]() -> std::optional<c10::SymInt> {
-    if (low_rank_input && low_rank_input->defined()) return std::nullopt;
-    return kept_logit_rows(input, linear_weight, target, o, device);
-  };
+  const auto kept_logits = [&] { return kept_logit_rows(input, linear_weight, target, o, device); };
   const Pass pass = args[3].toStringView() != "first" ? parse_pass(args[3].toStringView())
                     : !differentiable                 ? Pass::Forward
                     : gradients_in_forward(o, input)  ? Pass::ForwardWithGrad
