@@ -46,6 +46,8 @@ def available_methods():
         import fused_ce
 
         methods["fused_ce"] = lambda x, w, t: fused_ce.linear_cross_entropy(x, w, t)
+        # gradient filtering at Cut Cross-Entropy's default threshold for bfloat16 (2**-12)
+        methods["fused_ce filtered"] = lambda x, w, t: fused_ce.linear_cross_entropy(x, w, t, grad_filter_eps=2**-12)
     except ImportError as exc:
         print(f"fused_ce not importable: {exc}", file=sys.stderr)
     methods["torch eager"] = torch_eager

@@ -220,6 +220,43 @@ def time_method(method, x, w, t, device, warmup, repeat):
     return statistics.median(times), float("nan")
 
 
+def reference_grads(x, w, t, chunk=1024):
+    """float32 dX and dW of the mean loss (no TF32), a chunk of rows at a time."""
+    wf = w.float()
+    counted = (t >= 0).sum().clamp_min(1)
+    dx, dw = torch.zeros(x.shape, dtype=torch.float32, device=x.device), torch.zeros_like(wf)
+    for r0 in range(0, len(t), chunk):
+        xc, tc = x[r0 : r0 + chunk].float(), t[r0 : r0 + chunk]
+        g = torch.softmax(xc @ wf.T, -1)
+        rows = (tc >= 0).nonzero()[:, 0]
+        g[rows, tc[rows]] -= 1
+        g[tc < 0] = 0
+        g /= counted
+        dx[r0 : r0 + chunk] = g @ wf
+        dw += g.T @ xc
+    return dx, dw
+
+
+def gradient_errors(methods, inputs, device):
+    """Each method's dX and dW error (relative norm) against float32 on each kind of inputs, 10% of rows ignored."""
+    errors = {}
+    for kind, (x, w, t) in inputs.items():
+        t = with_ignored(t, 0.1)
+        ref = reference_grads(x, w, t)
+        for name, method in methods.items():
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            try:
+                method(xl, wl, t).backward()
+            except Exception as exc:  # (reported with the times)
+                print(f"{name} on {kind}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            errors[(name, kind)] = [((g.float() - r).norm() / r.norm()).item() for g, r in zip((xl.grad, wl.grad), ref)]
+            del xl, wl
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return errors
+
+
 def with_ignored(t, fraction, seed=1):
     if fraction == 0:
         return t
@@ -335,9 +372,16 @@ def main():
                 r = next(r for r in results if (r["method"], r["inputs"], r["ignored"]) == (name, kind, ignored))
                 cells.append(f"{r['ms']:.2f} ({r['gib']:.2f})")
         print(f"{name:<22} {cells[0]:>16} {cells[1]:>17} {cells[2]:>16} {cells[3]:>17}")
+    errors = gradient_errors(methods, inputs, device)
+    print("\ngradient error against float32 (relative norm), 10% ignored: dX / dW")
+    print(f"{'method':<26} {'trained':>22} {'random':>22}")
+    for name in methods:
+        cells = [errors.get((name, kind)) for kind in inputs]
+        print(f"{name:<26} " + " ".join(f"{e[0]:>10.2e} / {e[1]:.2e}" if e else f"{'-':>22}" for e in cells))
     env = environment() if device.type == "cuda" else {"device": "cpu", "torch": torch.__version__}
+    error_rows = [{"method": m, "inputs": k, "dX": e[0], "dW": e[1]} for (m, k), e in errors.items()]
     record = {"env": env, "args": vars(args), "V": V, "steps": steps, "loss": statistics.mean(last),
-              "stats": stats, "results": results}  # fmt: skip
+              "stats": stats, "results": results, "gradient_errors": error_rows}  # fmt: skip
     (out / "trained_logits.json").write_text(json.dumps(record, indent=1))
     plot(results, out / "trained_logits.png")
 

@@ -56,6 +56,24 @@ enum class DistillSweep { LogSumExps = 0, Sums = 1, Gradient = 2 };
 // gradient of each row's loss in place of zs.
 void cuda_distill_rows(DistillSweep sweep, const Problem& p, const LossOptions& o, const DistillBlock& b);
 
+// grad_filter_eps (filtered_grads.h) on a block's gradient g ([N, V], its stored logits turned into it, unit column
+// stride) in tiles of tile_rows x tile_cols (cuda_grad_tiles.cpp). cuda_grad_tile_mask writes `mask` ([cdiv(N,
+// tile_rows), cdiv(V, tile_cols)] int32, contiguous): 1 where a tile has an entry other than its row's target
+// (`target` [N] int64, -1: none) with |g| >= the row's `threshold` ([N] float32), else 0.
+void cuda_grad_tile_mask(const at::Tensor& g, const at::Tensor& threshold, const at::Tensor& target,
+                         const at::Tensor& mask, int64_t tile_rows, int64_t tile_cols);
+// Per row of a tile mask (or of its transpose): the indices of its live tiles first (int32 [rows, tiles]) and how
+// many there are (int32 [rows]).
+struct LiveTiles {
+  at::Tensor index, count;
+};
+// out ([N, D] float32) = alpha * g @ w over the tiles of g live in its row tiles' lists (w [V, D]).
+void cuda_sparse_grad_input(const at::Tensor& g, const at::Tensor& w, const at::Tensor& out, const LiveTiles& live,
+                            double alpha);
+// acc ([V, D] float32) += alpha * g.T @ x over the tiles of g live in its vocabulary tiles' lists (x [N, D]).
+void cuda_sparse_grad_weight(const at::Tensor& g, const at::Tensor& x, const at::Tensor& acc, const LiveTiles& live,
+                             double alpha);
+
 // grad *= scale ([] float32 on grad's device) in place by the scale kernel (scale.py), which reads scale on the
 // device and returns at once when it is 1; false where it does not apply (no cubin, a non-contiguous grad).
 bool cuda_scale_(const at::Tensor& grad, const at::Tensor& scale);

@@ -6,6 +6,7 @@
 #include "aten_stages.h"
 #include "cuda_stages.h"
 #include "executors.h"
+#include "filtered_grads.h"
 #include "loss_terms.h"
 #include "plan.h"
 #include "vocab_parallel.h"
@@ -56,6 +57,12 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     }
     if (need[2]) g.bias.add_(p.class_weight * neg_gamma.sum());
   }
+  // grad_filter_eps: the products over the gradient's live tiles, dW summed in float32 (filtered_grads.h)
+  const bool filter = plan.filters_grads;
+  const at::Tensor weight_sum = !(filter && need[1]) ? at::Tensor()
+                                : g.weight.scalar_type() == at::kFloat
+                                    ? g.weight.zero_()
+                                    : at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
   const int64_t rows = plan.block_rows;
   at::Tensor logits_buffer = stored_logits ? at::empty({rows, p.V}, p.x.options().dtype(gemm_dtype)) : at::Tensor();
   at::Tensor gx_buffer, ones;
@@ -65,27 +72,36 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     const Problem pr = stored.block(r0, r1);
     const RowStats block_stats = s.block(r0, r1);
     at::Tensor block;
+    GradCoefficients cr;  // (the block's, with its lse)
     if (stored_logits) {
       block = logits_buffer.narrow(0, 0, r1 - r0);
       logits_into(pr, block, plan.logits_scale);
       cuda_stats_from_logits(pr, block, block_stats);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
-      cuda_softmax_grad(pr, c.block(r0, r1, block_stats), block_stats.lse, block, smoothing_in_kernel);
+      cr = c.block(r0, r1, block_stats);
+      cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
     } else if (o.vocab_parallel() || c.needs_stats()) {  // the stats (over all shards) before the gradient: the
                                                          // logits twice (CPU)
       const RowStats part = aten_row_stats(pr, request, r1 - r0);
       block_stats.copy_(part);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
-      GradCoefficients with_lse = c.block(r0, r1, block_stats);
-      with_lse.lse = block_stats.lse;
-      block = aten_logit_grad(pr, with_lse, 0, p.V).to(gemm_dtype);
+      cr = c.block(r0, r1, block_stats);
+      cr.lse = block_stats.lse;
+      block = aten_logit_grad(pr, cr, 0, p.V).to(gemm_dtype);
     } else {
       RowStats part;
-      std::tie(part, block) = aten_stats_and_logit_grad(pr, c.fixed.block(r0, r1), request);
+      cr = c.fixed.block(r0, r1);
+      std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, request);
       block = block.to(gemm_dtype);
       block_stats.copy_(part);
     }
-    if (need[0]) {
+    cr.lse = block_stats.lse;
+    if (filter) {
+      at::Tensor gx = need[0] ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
+      filtered_block_grads(pr, plan, cr, o.grad_filter_eps, block, gx, unscale, weight_sum, weight_alpha);
+      if (need[0]) scatter_input_grad(p, g.input, gx, r0);
+    }
+    if (need[0] && !filter) {
       at::Tensor gx = input_grad_rows(p, g.input, gx_buffer, r0, r1);
       if (rank_one) {
         at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), block, w);
@@ -94,10 +110,11 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       }
       scatter_input_grad(p, g.input, gx, r0);
     }
-    if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, weight_alpha);
+    if (need[1] && !filter) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, weight_alpha);
     if (need[2]) add_column_sums(g.bias, block, ones, unscale);
     add_low_rank_grads(p, g, pr, block, r0, 0, unscale);
   }
+  if (weight_sum.defined() && !weight_sum.is_same(g.weight)) g.weight.copy_(weight_sum);
   return {s, g};
 }
 

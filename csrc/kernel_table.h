@@ -36,6 +36,8 @@ struct ArchConstants {
   int min_stored_rows;        // fewer rows per block and the forward's cuBLAS blocks lose to tl.dot tiles
   int gemm_tile_rows;         // cuBLAS's row tile: blocks in whole tiles waste none
   int vocab_tile_rows;        // rows of a VocabTiles tile: enough for the dW GEMM to stay compute-bound
+  int filter_tile_rows;       // grad_filter_eps's tiles of a block's gradient: rows
+  int filter_tile_cols;       // ... and classes
 };
 
 extern const ArchConstants kArchConstants[];

@@ -58,6 +58,14 @@ void LossOptions::check() {
                     num(softcap.value_or(0.0)));
   TORCH_CHECK_VALUE(std::isfinite(logit_scale) && std::fabs(logit_scale) <= FLT_MAX, op,
                     ": logit_scale must be finite and within float32's range, got ", num(logit_scale));
+  TORCH_CHECK_VALUE(grad_filter_eps >= 0.0 && grad_filter_eps < 1.0, op, ": grad_filter_eps must be in [0, 1), got ",
+                    num(grad_filter_eps));
+  if (grad_filter_eps > 0.0) {
+    // (the smoothing's uniform term sits below any threshold in every tile: filtering would drop it)
+    TORCH_CHECK_VALUE(label_smoothing == 0.0, op, ": grad_filter_eps does not combine with label_smoothing");
+    TORCH_CHECK_VALUE(reduction_kind != Reduction::None, op,
+                      ": grad_filter_eps applies to a scalar loss (reduction 'mean' or 'sum')");
+  }
   TORCH_CHECK_VALUE(!workspace_bytes || *workspace_bytes > 0, op, ": workspace_bytes must be positive (or None), got ",
                     num(workspace_bytes.value_or(0)));
   if (!vocab_parallel()) {

@@ -43,6 +43,8 @@
 #define FUSED_CE_OPTION_workspace_bytes(X) X(std::optional<int64_t>, workspace_bytes, "int?", None)
 // the lse of ignored rows too (a forward-only pass over them)
 #define FUSED_CE_OPTION_lse_of_ignored_rows(X) X(bool, lse_of_ignored_rows, "bool", True)
+// Opt-in gradient filtering (filtered_grads.h): 0 is exact
+#define FUSED_CE_OPTION_grad_filter_eps(X) X(double, grad_filter_eps, "float", 0.0)
 #define FUSED_CE_OPTION_return_entropy(X) X(bool, return_entropy, "bool", False)
 #define FUSED_CE_OPTION_return_argmax(X) X(bool, return_argmax, "bool", False)
 // Vocabulary parallel (vocab_parallel.h): linear_weight (and linear_bias) hold classes [vocab_start,
@@ -74,7 +76,7 @@
 #define FUSED_CE_LOSS_OPTIONS(X)                                                                  \
   FUSED_CE_OPTION_reduction(X) FUSED_CE_OPTION_ignore_index(X) FUSED_CE_OPTION_label_smoothing(X) \
       FUSED_CE_OPTION_z_loss(X) FUSED_CE_OPTION_softcap(X) FUSED_CE_OPTION_logit_scale(X)         \
-          FUSED_CE_OPTION_workspace_bytes(X) FUSED_CE_OPTION_lse_of_ignored_rows(X)
+          FUSED_CE_OPTION_workspace_bytes(X) FUSED_CE_OPTION_lse_of_ignored_rows(X) FUSED_CE_OPTION_grad_filter_eps(X)
 
 // Per-row outputs besides the loss and the lse, computed only when asked for.
 #define FUSED_CE_OUTPUT_OPTIONS(X) FUSED_CE_OPTION_return_entropy(X) FUSED_CE_OPTION_return_argmax(X)

@@ -32,15 +32,20 @@ Plan plan_rows(const Problem& p, const LossOptions& o, const DeviceFacts& device
     plan_distillation(plan, p, o);
     return plan;
   }
+  const auto filtering = [&](Plan planned) {
+    planned.filters_grads = o.grad_filter_eps > 0.0 && pass == Pass::ForwardWithGrad &&
+                            (planned.strategy == Strategy::StoredLogits || planned.strategy == Strategy::AtenChunks);
+    return planned;
+  };
   if (device.row_kernels(p.N)) {
     plan_kernels(plan, p, o, selected);
-    if (!(p.low_rank.defined() && plan.strategy == Strategy::DotTiles)) return plan;
+    if (!(p.low_rank.defined() && plan.strategy == Strategy::DotTiles)) return filtering(plan);
     plan = unplanned();  // (the tl.dot tiles form logits of their own, without a low-rank term: the ATen stages)
   }
   const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
   TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
   plan_aten_chunks(plan, p, o, selected);
-  return plan;
+  return filtering(plan);
 }
 
 // A plan's GEMM time and dW re-reads across row blocks (s, from the architecture's rates): what choosing the
@@ -178,6 +183,7 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"keeps_logits", plan.keeps_logits},
       {"kept_rows", plan.kept_rows},
       {"weight_grad_slice_classes", plan.weight_grad_slice_classes},
+      {"filters_grads", plan.filters_grads},
   };
 }
 

@@ -100,6 +100,9 @@ struct Plan {
   // (half the budget), the row blocks forming dX (and db) alone; the logits are formed once more (8NDV, not 6NDV).
   // 0: dW from the row blocks.
   int64_t weight_grad_slice_classes = 0;
+  // grad_filter_eps applies: the forward with gradient's row blocks (stored_logits, aten_chunks) multiply back
+  // only their gradient's live tiles (filtered_grads.h); other plans' gradients are exact.
+  bool filters_grads = false;
 };
 
 // Whether that pass returns float16's dW times a power of two (the cross-entropy's forward with gradient, not the

@@ -138,6 +138,7 @@ class LossKeywords(TypedDict, total=False):
     softcap: float | None
     logit_scale: float
     workspace_bytes: int | None
+    grad_filter_eps: float
     process_group: object
     vocab_start: int | None
     low_rank_input: Tensor | None
@@ -197,6 +198,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     return_argmax: bool = False,
     workspace_bytes: int | None = None,
+    grad_filter_eps: float = 0.0,
     process_group=None,
     vocab_start: int | None = None,
     low_rank_input: Tensor | None = None,
@@ -242,6 +244,14 @@ def linear_cross_entropy(
             forward keeps the logits of as many rows as the budget holds for the backward (held in between);
             a budget with room for every row's keeps them all: 6NDV flops instead of 8NDV
             (``plan(...).keeps_logits``, ``plan(...).kept_rows``). :func:`plan` shows what a budget buys.
+        grad_filter_eps: opt-in gradient filtering for a scalar loss ('mean' or 'sum'; 0, the default, is exact):
+            the products of the logits' gradient with ``linear_weight`` (dX) and ``input`` (dW) skip each tile of
+            it (64 rows of a row block x 128 classes) whose entries are all below ``grad_filter_eps`` times the
+            row's coefficient of the probability (``p < grad_filter_eps`` for a plain loss), the targets' entries
+            always kept. The loss is exact. Cut Cross-Entropy's ``filter_eps`` (2**-12 for bfloat16); for
+            fine-tuning trained models, whose softmax is peaked, not for training from scratch (docs/usage.md).
+            Applies where the gradients come with the forward (``plan(...).filters_grads``); not with
+            ``label_smoothing``.
         process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor parallel):
             ``linear_weight`` and ``linear_bias`` are this rank's contiguous shard of the classes (shards may
             differ in size), ``input`` is the same on every rank, targets and class weights are global. Every
@@ -254,8 +264,8 @@ def linear_cross_entropy(
             dimensions), ``low_rank_weight`` ``[V, r]``, both in input's dtype and both differentiable. LoRA on
             the head: ``low_rank_input = scaling * lora_A(dropout(input))`` and ``low_rank_weight =
             lora_B.weight``, dropout included, with no ``V x D`` sum ``W + scaling * B @ A`` formed. Such a call
-            runs on the ATen stages (on CUDA too: cuBLAS products, the softmax in ATen), keeps no logits, and is
-            not vocabulary parallel.
+            takes the plan it would take without the term (on the ATen stages where that is ``dot_tiles``) and
+            is not vocabulary parallel.
         options: accepted for compatibility with torch's signature and ignored: this loss is always chunked.
 
     Returns:
@@ -272,6 +282,8 @@ def linear_cross_entropy(
             raise ValueError("linear_cross_entropy: return_argmax is not supported for a K-dimensional loss")
         if low_rank:
             raise ValueError("linear_cross_entropy: a low-rank term is not supported for a K-dimensional loss")
+        if grad_filter_eps:
+            raise ValueError("linear_cross_entropy: grad_filter_eps is not supported for a K-dimensional loss")
         return _k_dimensional(
             input,
             linear_weight,
@@ -295,6 +307,7 @@ def linear_cross_entropy(
         "_linear_cross_entropy", "linear_cross_entropy", shard=shard, reduction=reduction, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
         workspace_bytes=workspace_bytes, lse_of_ignored_rows=return_lse, return_argmax=return_argmax,
+        grad_filter_eps=grad_filter_eps,
     )  # fmt: skip
     loss, lse, _, argmax = _call(input, linear_weight, target, linear_bias, weight, options, low_rank)
     outputs = (loss,) + ((lse,) if return_lse else ()) + ((argmax,) if return_argmax else ())

@@ -145,7 +145,7 @@ def test_spec_grids_are_the_launchers():
         assert f"// SPEC.grid: {spec.grid}" in header
         args = {name: 1000 for name in spec.param_names()}
         args.update(v_begin=0, v_end=1000)
-        assert spec.grid_size(args, rows=16, cols=128, programs=4) >= 1
+        assert spec.grid_size(args, rows=16, cols=128, programs=4, depth=64) >= 1
 
 
 def csrc_units():

@@ -400,3 +400,39 @@ def test_distill_rows(divergence, beta, dtype):
     grad = grad * coef[0].cpu().double()[:, None] + coef[1].cpu().double()[:, None] * (torch.softmax(z1, -1) - onehot)
     grad = grad * 0.9 * (1 - (z1 / 5.0) ** 2)  # the softcap's and the scale's derivative
     assert ((zs.double() - grad).norm() / grad.norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_grad_tiles_mask_and_sparse_products(dtype):
+    """grad_filter_eps's kernels: the tile mask (entries other than the targets at or above their row's threshold),
+    then dX and dW over the live tiles alone, against ATen on the same tiles (tails in rows, classes, features)."""
+    cfg = configs.INTERPRETER["grad_tiles"] if DEVICE == "cpu" else configs.config("grad_tiles", jit._arch(
+        torch.empty(0, device=DEVICE)), "fp32" if dtype == torch.float32 else "fp16")  # fmt: skip
+    N, V, D = 3 * cfg.block_n + 5, 4 * cfg.block_v + 7, 2 * cfg.block_d + 3
+    g = torch.randn(N, V, device=DEVICE) * 1e-4
+    live = torch.rand(-(-N // cfg.block_n), -(-V // cfg.block_v), device=DEVICE) < 0.3
+    expand = live.repeat_interleave(cfg.block_n, 0).repeat_interleave(cfg.block_v, 1)[:N, :V]
+    g = torch.where(expand & (torch.rand(N, V, device=DEVICE) < 0.02), torch.randn(N, V, device=DEVICE), g)
+    t = torch.randint(0, V, (N,), device=DEVICE)
+    t[::5] = -1
+    rows = torch.arange(N, device=DEVICE)[t >= 0]
+    g[rows, t[t >= 0]] = 2.0  # a target's entry never makes its tile live
+    g = g.to(dtype)
+    threshold = torch.full((N,), 0.01, device=DEVICE)
+    mask = jit.grad_tile_mask(g, threshold, t)
+    above = g.float().abs() >= 0.01
+    above[rows, t[t >= 0]] = False
+    padded = torch.zeros(live.shape[0] * cfg.block_n, live.shape[1] * cfg.block_v, dtype=torch.bool, device=DEVICE)
+    padded[:N, :V] = above
+    want = padded.view(live.shape[0], cfg.block_n, live.shape[1], cfg.block_v).any(3).any(1)
+    assert torch.equal(mask.bool(), want) and 0 < want.float().mean() < 1
+    kept = torch.where(want.repeat_interleave(cfg.block_n, 0).repeat_interleave(cfg.block_v, 1)[:N, :V],
+                       g.double(), 0)  # fmt: skip
+    w, x = torch.randn(V, D, device=DEVICE).to(dtype), torch.randn(N, D, device=DEVICE).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    dx = jit.sparse_grad_input(g, w, mask, alpha=0.5)
+    torch.testing.assert_close(dx.double(), 0.5 * kept @ w.double(), rtol=tol, atol=tol)
+    acc = torch.randn(V, D, device=DEVICE)
+    want_acc = acc.double() + 0.25 * kept.T @ x.double()
+    torch.testing.assert_close(jit.sparse_grad_weight_(acc, g, x, mask, alpha=0.25).double(), want_acc, rtol=tol,
+                               atol=tol)  # fmt: skip

@@ -86,6 +86,10 @@ def variant_spec(name, dtype, layout, arch):
             "DOT_PRECISION": configs.dot_precision(dtype),
         }
         blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d)
+    elif spec.family == "grad_tiles":
+        constexprs = {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d,
+                      "DOT_PRECISION": configs.dot_precision(dtype)}  # fmt: skip
+        blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d)
     else:
         constexprs = {"BLOCK": cfg.block}
         if "BLOCK_R" in fn.arg_names:
@@ -239,14 +243,14 @@ def _emit_table(variants, out_dir):
     for arch, c in sorted(configs.ARCH_CONSTANTS.items()):
         lines.append(
             f"  {{{arch}, {c.memory_bytes_per_s!r}, {c.gemm_flops_per_s!r}, {c.min_stored_rows}, "
-            f"{c.gemm_tile_rows}, {c.vocab_tile_rows}}},"
+            f"{c.gemm_tile_rows}, {c.vocab_tile_rows}, {c.filter_tile_rows}, {c.filter_tile_cols}}},"
         )
     lines += ["};", f"const int kNumArchConstants = {len(configs.ARCH_CONSTANTS)};", "}  // namespace fused_ce", ""]
     (Path(out_dir) / "kernel_table.cpp").write_text("\n".join(lines))
 
 
 _ARG_TYPES = {"i64": "LaunchArg<int64_t>", "i32": "LaunchArg<int32_t, bool>", "fp32": "LaunchArg<float>"}
-_GRID_NAMES = {"ROWS": "v.block_n", "COLS": "v.block_v", "PROGRAMS": "programs", "cdiv": "launch_cdiv",
+_GRID_NAMES = {"ROWS": "v.block_n", "COLS": "v.block_v", "DEPTH": "v.block_d", "PROGRAMS": "programs", "cdiv": "launch_cdiv",
                "min": "launch_min", "max": "launch_max"}  # fmt: skip
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 # The kernels the build compiles, one module each in this package, each with its SPEC (spec.py).
 KERNELS = ("row_stats", "logit_grad", "logit_partials", "combine_partials", "softmax_grad", "scale",
-           "prepare_rows", "assemble_loss", "distill_rows")
+           "prepare_rows", "assemble_loss", "distill_rows", "grad_tile_mask", "sparse_grad_input",
+           "sparse_grad_weight")
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
 
 
@@ -18,6 +19,15 @@ class TileConfig:  # family "dot_tiles": tl.dot tiles of logits
     block_v: int
     block_d: int
     group_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class GradTileConfig:  # family "grad_tiles": a block's gradient in tiles of block_n rows x block_v classes
+    block_n: int
+    block_v: int
+    block_d: int  # features per program of the products over the live tiles
     num_warps: int
     num_stages: int
 
@@ -53,6 +63,7 @@ _DOT_TILES_FP32 = {
 # Small tiles for the CPU interpreter (tests): fast there and exercise tails.
 INTERPRETER = {
     "dot_tiles": TileConfig(16, 32, 16, 2, 4, 1),
+    "grad_tiles": GradTileConfig(16, 32, 16, 4, 1),
     "stored_logits": RowConfig(32, 4, rows=4),
     "combine": RowConfig(2, 4, rows=4),  # 2 segments per step: several steps in tests
     "elementwise": RowConfig(64, 4),
@@ -70,6 +81,14 @@ def config(family: str, arch: int, dtype: str):
         # Same-major fallback to the nearest lower minor we have a measurement for.
         lower = [a for a in table if a // 10 == arch // 10 and a <= arch] or [min(table)]
         return table[max(lower)]
+    if family == "grad_tiles":
+        # the gradient tiles grad_filter_eps skips: ARCH_CONSTANTS' filter tile on every architecture (the plan's
+        # ATen stages filter the same tiles), the products' features per program within shared memory
+        tile = ARCH_CONSTANTS[0]
+        small = arch in (86, 89, 120)  # ~99 KB of shared memory per block
+        depth = 64 if dtype == "fp32" or small else 128
+        stages = 2 if dtype == "fp32" or small else 3
+        return GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, depth, 4, stages)
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping
@@ -106,6 +125,8 @@ class ArchConstants:
     min_stored_rows: int  # fewer rows per block and the loss-only forward's cuBLAS blocks lose to tl.dot tiles
     gemm_tile_rows: int  # cuBLAS's row tile: blocks in whole tiles waste none
     vocab_tile_rows: int  # rows of a 2-D tile of the lean forward with gradient: the dW GEMM stays compute-bound
+    filter_tile_rows: int  # grad_filter_eps's tiles of a block's gradient: rows
+    filter_tile_cols: int  # ... and classes
 
 
 # Measured on the H200 (benchmarks/LOG.md: ~3 TB/s for the tile passes under the GEMMs' load, ~700 TFLOP/s
@@ -113,5 +134,5 @@ class ArchConstants:
 # included): the decisions depend on the ratio of the two rates, which other datacenter parts share roughly.
 # An architecture measured to differ gets an entry of its own.
 ARCH_CONSTANTS = {
-    0: ArchConstants(3e12, 700e12, 512, 128, 2048),
+    0: ArchConstants(3e12, 700e12, 512, 128, 2048, 64, 128),
 }

@@ -23,6 +23,9 @@ from . import (
     distill_rows as _distill_rows,
 )
 from . import (
+    grad_tile_mask as _grad_tile_mask,
+)
+from . import (
     logit_grad as _logit_grad,
 )
 from . import (
@@ -39,6 +42,12 @@ from . import (
 )
 from . import (
     softmax_grad as _softmax_grad,
+)
+from . import (
+    sparse_grad_input as _sparse_grad_input,
+)
+from . import (
+    sparse_grad_weight as _sparse_grad_weight,
 )
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -69,7 +78,7 @@ def _launch(module, args, programs=None, **meta):
     if set(args) != set(names):
         raise TypeError(f"{spec.name}: arguments {sorted(set(args) ^ set(names))} differ from its SPEC")
     rows, cols = meta.get("BLOCK_N", meta.get("BLOCK_R")), meta.get("BLOCK_V", meta.get("BLOCK"))
-    grid = (spec.grid_size(args, rows, cols, programs),)
+    grid = (spec.grid_size(args, rows, cols, programs, meta.get("BLOCK_D")),)
     getattr(module, f"{spec.name}_kernel")[grid](*(args[n] for n in names), **meta)
 
 
@@ -268,3 +277,52 @@ def distill_rows(stage, zs, zt, stats, coef, target, *, divergence, beta=0.0, te
             BLOCK=cfg.block, num_warps=cfg.num_warps, FAST_TANH=_fast_tanh(zs))
     return zs
 
+
+
+def _grad_tile_meta(cfg, g):
+    return dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+                DOT_PRECISION=configs.dot_precision(_DTYPES[g.dtype]), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+def grad_tile_mask(g, threshold, target, *, config=None):
+    """int32 [cdiv(N, block_n), cdiv(V, block_v)]: 1 where a tile of the gradient block g [N, V] has an entry other
+    than its row's target (-1: none) at or above its row's threshold (cuda_grad_tile_mask)."""
+    cfg = _config(_grad_tile_mask, g, config)
+    N, V = g.shape
+    mask = torch.empty(triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v), dtype=torch.int32, device=g.device)
+    _launch(_grad_tile_mask, dict(g_ptr=g, thr_ptr=threshold, tgt_ptr=target, mask_ptr=mask, N=N, V=V,
+                                  stride_gn=g.stride(0), mask_cols=mask.shape[1]),
+            **_grad_tile_meta(cfg, g))
+    return mask
+
+
+def live_tiles(mask):
+    """(indices, counts) of each row of a tile mask: its live columns first (int32), and how many."""
+    order = torch.sort(mask, dim=1, descending=True, stable=True).indices.to(torch.int32)
+    return order.contiguous(), mask.sum(1, dtype=torch.int32)
+
+
+def sparse_grad_input(g, w, mask, *, alpha=1.0, config=None):
+    """float32 [N, D]: alpha * g @ w over the tiles of g the mask marks live (the others read as zero)."""
+    cfg = _config(_sparse_grad_input, g, config)
+    N, V = g.shape
+    out = torch.empty(N, w.shape[1], dtype=torch.float32, device=g.device)
+    live, count = live_tiles(mask)
+    _launch(_sparse_grad_input, dict(g_ptr=g, w_ptr=w, out_ptr=out, live_ptr=live, count_ptr=count, N=N, V=V,
+                                     D=w.shape[1], stride_gn=g.stride(0), stride_wv=w.stride(0),
+                                     stride_on=out.stride(0), live_cols=live.shape[1], alpha=float(alpha)),
+            **_grad_tile_meta(cfg, g))
+    return out
+
+
+def sparse_grad_weight_(acc, g, x, mask, *, alpha=1.0, config=None):
+    """acc [V, D] float32 += alpha * g.T @ x over the tiles of g the mask marks live; returns acc."""
+    cfg = _config(_sparse_grad_weight, g, config)
+    N, V = g.shape
+    live, count = live_tiles(mask.t())
+    _launch(_sparse_grad_weight, dict(g_ptr=g, x_ptr=x, acc_ptr=acc, live_ptr=live, count_ptr=count, N=N, V=V,
+                                      D=x.shape[1], stride_gn=g.stride(0), stride_xn=x.stride(0),
+                                      stride_an=acc.stride(0), live_rows=live.shape[1], alpha=float(alpha)),
+            **_grad_tile_meta(cfg, g))
+    return acc

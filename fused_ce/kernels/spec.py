@@ -36,8 +36,8 @@ class KernelSpec:
     flavors: tuple = ()
     # The launch grid (programs, 1-D) as an expression both launchers evaluate (jit.py here, the C++ launchers through
     # the argument struct the build generates from this SPEC: fused_ce/_build/aot.py): the launch parameters by
-    # name, ROWS and COLS (a program's rows and columns: its BLOCK_N or BLOCK_R and BLOCK_V or BLOCK), PROGRAMS
-    # (the launcher's cap on a grid-stride kernel's programs), cdiv, min and max.
+    # name, ROWS, COLS and DEPTH (a program's rows, columns and features: its BLOCK_N or BLOCK_R, BLOCK_V or BLOCK,
+    # and BLOCK_D), PROGRAMS (the launcher's cap on a grid-stride kernel's programs), cdiv, min and max.
     grid: str = "1"
 
     def variants(self):
@@ -53,9 +53,11 @@ class KernelSpec:
     def param_names(self):
         return [name for name, _ in self.params]
 
-    def grid_size(self, args, rows=None, cols=None, programs=None):
-        """The grid's programs for launch arguments `args` (by name) and the program's ROWS, COLS (and PROGRAMS)."""
-        names = dict(args, ROWS=rows, COLS=cols, PROGRAMS=programs, cdiv=lambda a, b: -(-a // b), min=min, max=max)
+    def grid_size(self, args, rows=None, cols=None, programs=None, depth=None):
+        """The grid's programs for launch arguments `args` (by name) and the program's ROWS, COLS, DEPTH (and
+        PROGRAMS)."""
+        names = dict(args, ROWS=rows, COLS=cols, DEPTH=depth, PROGRAMS=programs, cdiv=lambda a, b: -(-a // b), min=min,
+                     max=max)  # fmt: skip
         return int(eval(self.grid, {"__builtins__": {}}, names))  # noqa: S307  (the SPEC's own text)
 
 

@@ -1,0 +1,93 @@
+// Opt-in gradient filtering (filtered_grads.h).
+#include "filtered_grads.h"
+
+#include <cmath>
+
+#include "blocks.h"
+#include "cuda_stages.h"
+
+namespace fused_ce {
+namespace {
+
+// Each row's threshold: eps times its coefficient of the probability (alpha + alpha_lse * lse) times the logit
+// scale the stages multiply the gradient by.
+at::Tensor thresholds(const Problem& pr, const GradCoefficients& c, double eps) {
+  at::Tensor alpha = c.alpha.to(at::kFloat);
+  if (c.alpha_lse.defined()) alpha = alpha + c.alpha_lse.to(at::kFloat) * c.lse.to(at::kFloat);
+  return alpha.abs().mul_(eps * std::fabs(pr.logit_scale)).contiguous();
+}
+
+// grad_tile_mask's answer by ATen: 1 where a tile has an entry other than its row's target at or above its row's
+// threshold.
+at::Tensor aten_tile_mask(const at::Tensor& block, const at::Tensor& threshold, const at::Tensor& target,
+                          int64_t tile_rows, int64_t tile_cols) {
+  const int64_t n = block.size(0), v = block.size(1);
+  at::Tensor above = block.abs().to(at::kFloat).ge(threshold.unsqueeze(1));
+  const at::Tensor col = target.clamp_min(0).unsqueeze(1);
+  above.scatter_(1, col, above.gather(1, col).logical_and(target.lt(0).unsqueeze(1)));
+  const int64_t row_tiles = (n + tile_rows - 1) / tile_rows, col_tiles = (v + tile_cols - 1) / tile_cols;
+  const at::Tensor padded =
+      at::constant_pad_nd(above.to(at::kInt), {0, col_tiles * tile_cols - v, 0, row_tiles * tile_rows - n}, 0);
+  return padded.view({row_tiles, tile_rows, col_tiles, tile_cols}).amax({1, 3}).contiguous();
+}
+
+// The live tiles of each row of `mask` first, and their count.
+LiveTiles live_tiles(const at::Tensor& mask) {
+  return {std::get<1>(mask.sort(/*stable=*/true, 1, /*descending=*/true)).to(at::kInt).contiguous(),
+          mask.sum(1, /*keepdim=*/false, at::kInt)};
+}
+
+}  // namespace
+
+void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoefficients& c, double eps,
+                          const at::Tensor& block, const at::Tensor& gx, double input_alpha,
+                          const at::Tensor& weight_sum, double weight_alpha) {
+  const int64_t tile_rows = plan.device.constants.filter_tile_rows, tile_cols = plan.device.constants.filter_tile_cols;
+  const int64_t n = block.size(0);
+  const at::Tensor threshold = thresholds(pr, c, eps);
+  const bool kernels = plan.strategy == Strategy::StoredLogits;
+  at::Tensor mask;
+  if (kernels) {
+    mask = at::empty({(n + tile_rows - 1) / tile_rows, (pr.V + tile_cols - 1) / tile_cols},
+                     block.options().dtype(at::kInt));
+    cuda_grad_tile_mask(block, threshold, pr.target, mask, tile_rows, tile_cols);
+  } else {
+    mask = aten_tile_mask(block, threshold, pr.target, tile_rows, tile_cols);
+  }
+  // The targets' entries of skipped tiles: each such row's own term, added apart from the products.
+  const at::Tensor target = pr.target.clamp_min(0);
+  const at::Tensor tile =
+      at::arange(n, pr.target.options()).floor_divide_(tile_rows).mul_(mask.size(1)) + target.floor_divide(tile_cols);
+  const at::Tensor skipped = pr.target.ge(0).logical_and_(mask.view({-1}).index_select(0, tile).eq(0));
+  const at::Tensor target_entry = at::where(skipped, block.gather(1, target.unsqueeze(1)).squeeze(1).to(at::kFloat),
+                                            at::zeros({}, threshold.options()));
+  const at::Tensor x = pr.x.to(block.scalar_type());
+  at::Tensor kept;  // (ATen: the block with its skipped tiles zeroed, targets included)
+  if (!kernels) {
+    kept = block * mask.repeat_interleave(tile_rows, 0)
+                       .repeat_interleave(tile_cols, 1)
+                       .narrow(0, 0, n)
+                       .narrow(1, 0, pr.V)
+                       .to(block.scalar_type());
+  }
+  if (gx.defined()) {
+    at::Tensor sum = at::empty({n, pr.D}, block.options().dtype(at::kFloat));
+    if (kernels) {
+      cuda_sparse_grad_input(block, pr.w, sum, live_tiles(mask), input_alpha);
+    } else {
+      gemm_into(sum, kept, pr.w, /*accumulate=*/false, input_alpha);
+    }
+    sum.add_(pr.w.index_select(0, target).to(at::kFloat).mul_(target_entry.unsqueeze(1)), input_alpha);
+    gx.copy_(sum);
+  }
+  if (weight_sum.defined()) {
+    if (kernels) {
+      cuda_sparse_grad_weight(block, x, weight_sum, live_tiles(mask.t()), weight_alpha);
+    } else {
+      gemm_into(weight_sum, kept.t(), x, /*accumulate=*/true, weight_alpha);
+    }
+    weight_sum.index_add_(0, target, x.to(at::kFloat).mul_(target_entry.unsqueeze(1)), weight_alpha);
+  }
+}
+
+}  // namespace fused_ce

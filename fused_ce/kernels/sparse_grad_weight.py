@@ -1,0 +1,56 @@
+"""dW of a block from its gradient's live tiles: ``acc[v] += alpha * G[live, v].T @ X[live]`` per vocabulary tile.
+
+G [N, V] (a block's logit gradient), X [N, D] (its rows), acc [V, D] float32 (dW summed over the blocks).
+Each program adds a BLOCK_V x BLOCK_D tile from the row tiles its vocabulary tile lists as live (``live_ptr``:
+tile k's live row tiles first, ``count_ptr``: how many; from grad_tile_mask.py's mask, transposed), and
+leaves a tile with none untouched (grad_filter_eps).
+"""
+import triton
+import triton.language as tl
+
+from .spec import KernelSpec
+
+SPEC = KernelSpec(
+    "sparse_grad_weight",
+    params=(
+        ("g_ptr", "*T"), ("x_ptr", "*T"), ("acc_ptr", "*fp32"), ("live_ptr", "*i32"), ("count_ptr", "*i32"),
+        ("N", "i64"), ("V", "i64"), ("D", "i64"), ("stride_gn", "i64"), ("stride_xn", "i64"), ("stride_an", "i64"),
+        ("live_rows", "i64"), ("alpha", "fp32"),
+    ),
+    family="grad_tiles",
+    grid="cdiv(V, COLS) * cdiv(D, DEPTH)",
+    divisible_by_16=frozenset({"g_ptr", "x_ptr", "stride_gn", "stride_xn", "D"}),
+)
+
+
+@triton.jit
+def sparse_grad_weight_kernel(
+    g_ptr, x_ptr, acc_ptr, live_ptr, count_ptr,
+    N, V, D, stride_gn, stride_xn, stride_an,
+    live_rows, alpha,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    d_tiles = tl.cdiv(D, BLOCK_D)
+    k = pid // d_tiles
+    n = pid % d_tiles
+    count = tl.load(count_ptr + k)
+    if count == 0:
+        return
+    cols = k.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    dcols = n.to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < V
+    d_mask = dcols < D
+    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    for i in range(0, count):
+        m = tl.load(live_ptr + k.to(tl.int64) * live_rows + i).to(tl.int64)
+        rows = m * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        g = tl.load(g_ptr + rows[:, None] * stride_gn + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xn + dcols[None, :], mask=row_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PRECISION)
+    ptrs = acc_ptr + cols[:, None] * stride_an + dcols[None, :]
+    out_mask = col_mask[:, None] & d_mask[None, :]
+    tl.store(ptrs, tl.load(ptrs, mask=out_mask, other=0.0) + acc * alpha, mask=out_mask)

@@ -1,0 +1,129 @@
+"""Opt-in gradient filtering (``grad_filter_eps``): the loss exact; dX and dW those of the logits' gradient with
+every tile (64 rows of a block's counted rows x 128 classes) whose non-target entries are all below the threshold
+dropped, the targets' entries kept; against that float64 reference on CPU and CUDA, bfloat16 within torch's own
+error of it; what the plan says; the errors."""
+
+import pytest
+import torch
+
+import fused_ce
+from fused_ce import linear_cross_entropy
+from helpers import DEVICES
+from reference import rel_err
+
+EPS = 2.0**-12
+TILE = (64, 128)  # configs.ARCH_CONSTANTS' filter tile
+
+
+def peaked_problem(N, D, V, device, dtype=torch.float32, sharpness=3.0, seed=0):
+    """A trained head's shape of softmax: each row's hidden state near its target's weight row (plus noise), so
+    that most of each row's probability sits on few classes; 10% of rows ignored."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, D, generator=g) / D**0.5 * 2
+    t = torch.randint(0, V, (N,), generator=g)
+    x = sharpness * w[t] * D**0.5 / 2 + torch.randn(N, D, generator=g)
+    t[torch.rand(N, generator=g) < 0.1] = -100
+    return x.to(device, dtype), w.to(device, dtype), t.to(device)
+
+
+def filtered_reference(x, w, t, eps, reduction="mean", z_loss=0.0):
+    """float64 dX, dW of the filtered gradient (tiles over the counted rows in order, as the plan runs them),
+    the exact ones, and the fraction of live tiles."""
+    counted = t >= 0
+    xd, wd, tc = x[counted].double(), w.double(), t[counted]
+    n, V = len(tc), w.shape[0]
+    z = xd @ wd.T
+    lse = z.logsumexp(-1)
+    p = (z - lse[:, None]).exp()
+    onehot = torch.zeros_like(p)
+    onehot[torch.arange(n), tc] = 1
+    alpha = (1.0 if reduction == "sum" else 1.0 / n) * (1 + 2 * z_loss * lse)
+    g = alpha[:, None] * p - onehot * (1.0 if reduction == "sum" else 1.0 / n)
+    above = (p * alpha[:, None].abs() >= eps * alpha[:, None].abs()) & (onehot == 0)
+    rt, vt = -(-n // TILE[0]), -(-V // TILE[1])
+    padded = torch.zeros(rt * TILE[0], vt * TILE[1], dtype=torch.bool, device=x.device)
+    padded[:n, :V] = above
+    live = padded.view(rt, TILE[0], vt, TILE[1]).any(3).any(1)
+    keep = live.repeat_interleave(TILE[0], 0).repeat_interleave(TILE[1], 1)[:n, :V] | (onehot == 1)
+    gf = g * keep
+
+    def full(rows):
+        return torch.zeros(len(t), x.shape[1], dtype=rows.dtype, device=x.device).index_copy_(
+            0, counted.nonzero()[:, 0], rows
+        )
+
+    return (full(gf @ wd), gf.T @ xd), (full(g @ wd), g.T @ xd), live.double().mean().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", [dict(), dict(reduction="sum", z_loss=1e-3)], ids=["mean", "sum-zloss"])
+def test_gradients_are_the_filtered_gradients(device, kw):
+    x, w, t = peaked_problem(300, 32, 1000, device)
+    inputs = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    plan = fused_ce.plan(*inputs, t, grad_filter_eps=EPS, **kw)
+    assert plan.filters_grads and plan.block_rows >= plan.rows, plan  # (one block: the reference's tiles)
+    loss = linear_cross_entropy(*inputs, t, grad_filter_eps=EPS, **kw)
+    torch.testing.assert_close(loss, linear_cross_entropy(x, w, t, **kw), rtol=0, atol=0)  # the loss is exact
+    loss.backward()
+    filtered, exact, live = filtered_reference(x, w, t, EPS, **kw)
+    assert 0.05 < live < 0.95, live  # some tiles skipped, some kept
+    for got, want, full in zip([v.grad for v in inputs], filtered, exact, strict=True):
+        assert rel_err(got, want) < 1e-5
+        assert rel_err(want, full) > 100 * rel_err(got, want)  # (the filter dropped something measurable)
+
+
+@pytest.mark.cuda
+def test_bfloat16_within_torchs_own_error_of_the_filtered_gradient():
+    x, w, t = peaked_problem(2000, 256, 8192, "cuda", dtype=torch.bfloat16, sharpness=2.0)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    plan = fused_ce.plan(xl, wl, t, grad_filter_eps=EPS)
+    assert plan.filters_grads and plan.strategy == "stored_logits", plan
+    linear_cross_entropy(xl, wl, t, grad_filter_eps=EPS).backward()
+    filtered, _, live = filtered_reference(x, w, t, EPS)
+    assert live < 0.9, live
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.cross_entropy((xe @ we.T).float(), t).backward()  # torch eager, bf16 products
+    _, exact, _ = filtered_reference(x, w, t, 0.0)
+    for got, want, eager, full in zip((xl.grad, wl.grad), filtered, (xe.grad, we.grad), exact, strict=True):
+        assert rel_err(got, want) <= 2 * rel_err(eager, full) + 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_off_by_default_and_where_the_plan_does_not_filter(device):
+    x, w, t = peaked_problem(200, 16, 600, device)
+    xl = x.clone().requires_grad_()
+    assert not fused_ce.plan(xl, w, t).filters_grads
+    assert not fused_ce.plan(xl, w, t, grad_filter_eps=EPS, pass_="backward").filters_grads
+    # eps 0 is the exact path, bit for bit
+    a = [v.clone().requires_grad_() for v in (x, w)]
+    b = [v.clone().requires_grad_() for v in (x, w)]
+    linear_cross_entropy(*a, t, grad_filter_eps=0.0).backward()
+    linear_cross_entropy(*b, t).backward()
+    for u, v in zip(a, b, strict=True):
+        assert u.grad is not None
+        torch.testing.assert_close(u.grad, v.grad, rtol=0, atol=0)
+
+
+def test_errors_name_the_argument():
+    x, w, t = peaked_problem(20, 8, 50, "cpu")
+    with pytest.raises(ValueError, match="linear_cross_entropy: grad_filter_eps must be in \\[0, 1\\), got -1"):
+        linear_cross_entropy(x, w, t, grad_filter_eps=-1.0)
+    with pytest.raises(ValueError, match="grad_filter_eps does not combine with label_smoothing"):
+        linear_cross_entropy(x, w, t, grad_filter_eps=EPS, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="grad_filter_eps applies to a scalar loss"):
+        linear_cross_entropy(x, w, t, grad_filter_eps=EPS, reduction="none")
+    with pytest.raises(ValueError, match="grad_filter_eps is not supported for a K-dimensional loss"):
+        linear_cross_entropy(x, w.reshape(50, 1, 8), t.reshape(20, 1), grad_filter_eps=EPS)
+
+
+def test_compiles_with_the_option():
+    x, w, t = peaked_problem(100, 16, 400, "cpu")
+    xl = x.clone().requires_grad_()
+
+    def f(x, w, t):
+        return linear_cross_entropy(x, w, t, grad_filter_eps=EPS)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    got = torch.autograd.grad(compiled(xl, w, t), xl)[0]
+    want = torch.autograd.grad(f(xl, w, t), xl)[0]
+    torch.testing.assert_close(got, want)
