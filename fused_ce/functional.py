@@ -251,7 +251,7 @@ def linear_cross_entropy(
             always kept. The loss is exact. Cut Cross-Entropy's ``filter_eps`` (2**-12 for bfloat16); for
             fine-tuning trained models, whose softmax is peaked, not for training from scratch (docs/usage.md).
             Applies where the gradients come with the forward (``plan(...).filters_grads``); not with
-            ``label_smoothing``.
+            ``label_smoothing``. Its first CUDA kernels are slower than the exact path (docs/usage.md).
         process_group: a ``torch.distributed`` group over which the vocabulary is split (tensor parallel):
             ``linear_weight`` and ``linear_bias`` are this rank's contiguous shard of the classes (shards may
             differ in size), ``input`` is the same on every rank, targets and class weights are global. Every

@@ -240,8 +240,15 @@ def test_kernel_plans_take_the_term(case, dtype):
         bounds = [1e-5] * 6
     else:  # torch eager: its logits in the input dtype, the loss in float32
         eager = torch.nn.functional.cross_entropy((x @ w.T + u @ B.T + b).float(), t, reduction=reduction)
-        bounds = [2 * rel_err(e, r) + 1e-6 for e, r in zip([eager, *grads_of(eager, inputs, upstream.float())],
-                                                            [ref, *want])]  # fmt: skip
+        # (vocab_tiles sums a row's dX over the vocabulary slices in the input dtype, as without the term)
+        factor = 3 if case == "vocab_tiles" else 2
+        bounds = [factor * rel_err(e, r) + 1e-4 for e, r in zip([eager, *grads_of(eager, inputs, upstream.float())],
+                                                                 [ref, *want])]  # fmt: skip
+        if reduction != "none":  # a scalar's error is one sample: bounded by the mean of eager's per-row errors
+            rows = torch.nn.functional.cross_entropy((x @ w.T + u @ B.T + b).float(), t, reduction="none")
+            ref_rows = float64_reference(x, w, t, b, u, B, reduction="none")[1]
+            per_row = (rows.double() - ref_rows).abs().sum() / ((t >= 0).sum() if reduction == "mean" else 1)
+            bounds[0] = 2 * per_row.item() / ref.abs().item()
     assert rel_err(loss, ref) <= bounds[0], (rel_err(loss, ref), bounds[0])
     for got in (first_grads, again):
         for name, g, r, bound in zip("x w b u B".split(), got, want, bounds[1:], strict=True):
