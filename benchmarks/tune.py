@@ -1,6 +1,6 @@
 """Measurements behind the tile table and the optimisation log (benchmarks/LOG.md).
 
-    python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,passes,partials,overlap]
+    python benchmarks/tune.py [--shape A] [--parts row_stats,softmax_grad,passes,partials,overlap,grad_tiles]
 
 On a GPU with triton: times the kernels' JIT builds under candidate
 configurations (row_stats for the loss-only forward without stored logits; the
@@ -8,7 +8,8 @@ tiles of logit_partials and softmax_grad for the passes over stored logits);
 "passes": the embedded (AOT) passes of a per-token fwd+bwd against the same kernels' JIT builds on the
 same rows, kernel times from the profiler; "partials": the statistics pass with the entropy's partials at each
 tiling; "overlap": the stored-logits step with its passes on a second
-stream.
+stream; "grad_tiles": grad_filter_eps's mask and block-sparse products at each tiling and share of live tiles,
+beside cuBLAS's dense products of the block.
 Prints tables; writes tune.json to --out. The JIT specialises on integer
 arguments divisible by 16; the AOT variants declare the same only where
 fused_ce/_build/aot.py says so (LOG.md, step 14), so check a JIT finding in
@@ -69,6 +70,58 @@ def interleaved_ms(cases, warmup, repeat, before=None):
             if round_ >= warmup:
                 times[name].append(start.elapsed_time(end))
     return {name: statistics.median(ms) for name, ms in times.items()}
+
+
+# block_n, block_v, block_d, num_warps, num_stages: the tiles of grad_filter_eps's mask and products
+GRAD_TILES = [
+    (64, 128, 128, 4, 3),
+    (64, 128, 128, 8, 3),
+    (128, 128, 128, 8, 3),
+    (64, 128, 256, 8, 3),
+    (128, 256, 128, 8, 3),
+    (128, 128, 64, 4, 4),
+    (64, 64, 128, 4, 4),
+]
+
+
+def grad_tile_cases(cfg, density, x, w):
+    """The timed calls of one tiling and share of live tiles over a block of x's rows (a synthetic gradient whose
+    live tiles hold N(0, 1) entries, the others 1e-6, under a threshold of 1e-3), and the live share realised."""
+    from fused_ce.kernels import jit
+
+    (N, D), V = x.shape, w.shape[0]
+    live = torch.rand(-(-N // cfg.block_n), -(-V // cfg.block_v), device=x.device) < density
+    keep = live.repeat_interleave(cfg.block_n, 0).repeat_interleave(cfg.block_v, 1)[:N, :V]
+    g = torch.where(keep, torch.randn(N, V, device=x.device), 1e-6).to(x.dtype)
+    threshold = torch.full((N,), 1e-3, device=x.device)
+    target = torch.full((N,), -1, device=x.device, dtype=torch.int64)
+    mask = jit.grad_tile_mask(g, threshold, target, config=cfg)
+    acc = torch.zeros(V, D, device=x.device)
+    cases = {
+        "mask": lambda: jit.grad_tile_mask(g, threshold, target, config=cfg),
+        "dX sparse": lambda: jit.sparse_grad_input(g, w, mask, config=cfg),
+        "dW sparse": lambda: jit.sparse_grad_weight_(acc, g, x, mask, config=cfg),
+        "dX cuBLAS dense": lambda: g @ w,
+        "dW cuBLAS dense": lambda: g.T @ x,
+    }
+    return cases, mask.float().mean().item()
+
+
+def tune_grad_tiles(x, w, warmup, repeat, block_rows=2048, densities=(0.1, 0.3, 1.0)):
+    """grad_filter_eps's products over a block's live tiles (JIT) at each tiling and share of live tiles, against
+    cuBLAS's dense dX and dW of the same block; the mask kernel's pass over it."""
+    from fused_ce.kernels import configs
+
+    xb = x[:block_rows].contiguous()
+    dense_flops = 2 * xb.shape[0] * xb.shape[1] * w.shape[0]
+    rows = []
+    for density in densities:
+        for tiling in GRAD_TILES:
+            cases, live = grad_tile_cases(configs.GradTileConfig(*tiling), density, xb, w)
+            for name, ms in interleaved_ms(cases, warmup, repeat).items():
+                flops = 0 if name == "mask" else dense_flops * (live if "sparse" in name else 1.0)
+                rows.append(dict(config=tiling, density=live, case=name, ms=ms, tflops=flops / ms / 1e9))
+    return rows
 
 
 def tune_row_stats(x, w, t, warmup, repeat):
@@ -352,12 +405,13 @@ def tune_overlap(shape, warmup, repeat):
 
 def main():
     parser = shape_parser(__doc__, repeat=5)
-    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: passes, partials, overlap")
+    parser.add_argument("--parts", default="row_stats,softmax_grad", help="also: passes, partials, overlap, grad_tiles")
     parser.add_argument("--gemm-shapes", default="A,B,C", help="shapes of the overlap part")
     args = parser.parse_args()
     parts = args.parts.split(",")
     N, D, V = SHAPES[args.shape]
-    if {"row_stats", "softmax_grad", "passes", "partials"} & set(parts):  # the overlap part makes its own, per shape
+    # (the overlap part makes its own, per shape)
+    if {"row_stats", "softmax_grad", "passes", "partials", "grad_tiles"} & set(parts):
         x, w, t = make_inputs(N, D, V, "cuda")
         kernel_t = torch.where(t < 0, -1, t)  # the kernels' convention for ignored rows
     env = environment()
@@ -393,6 +447,12 @@ def main():
         print("statistics pass over a 2048-row block (logit_partials + combine_partials, JIT, in situ):")
         for r in sorted(result["partials"], key=lambda r: (r["kind"], r["ms"])):
             print(f"  {r['kind']:8s} {str(r['config']):14s} {r['ms']:.3f} ms  {r['tb_per_s']:.2f} TB/s")
+    if "grad_tiles" in parts:
+        result["grad_tiles"] = tune_grad_tiles(x, w, args.warmup, args.repeat)
+        print("grad_filter_eps's products over a 2048-row block's live tiles (JIT) and cuBLAS's dense ones:")
+        for r in result["grad_tiles"]:
+            print(f"  live {r['density']:.1f} {str(r['config']):24s} {r['case']:16s} {r['ms']:7.3f} ms  "
+                  f"{r['tflops']:5.0f} TFLOP/s of live work")  # fmt: skip
     per_shape = {  # the parts that make their own inputs per shape: (function, title, a row's line)
         "overlap": (
             tune_overlap,

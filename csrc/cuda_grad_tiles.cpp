@@ -13,7 +13,7 @@ bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 16 == 0;
 }
 
-// The kernel's variant for g's dtype: "aligned" where every tensor of `aligned` and D fit its assumptions.
+// The kernel's variant for g's dtype: "aligned" where g, every tensor of `rest` and D fit its assumptions.
 const KernelVariant& grad_tiles_variant(const char* kernel, const at::Tensor& g, std::initializer_list<at::Tensor> rest,
                                         int64_t D) {
   const char* dtype = cuda_kernel_dtype(g.scalar_type());
