@@ -9,7 +9,8 @@
 namespace fused_ce {
 namespace {
 
-bool aligned16(const at::Tensor& t) {
+// 16-byte aligned rows: the "aligned" variants' assumption on a 2-D operand
+bool aligned16_rows(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 16 == 0;
 }
 
@@ -19,8 +20,8 @@ const KernelVariant& grad_tiles_variant(const char* kernel, const at::Tensor& g,
   const char* dtype = cuda_kernel_dtype(g.scalar_type());
   TORCH_CHECK(dtype != nullptr, "fused_ce: ", kernel, " has no kernel for ", g.scalar_type());
   const int arch = device_arch(g.device().index());
-  bool fits = aligned16(g) && D % 16 == 0;
-  for (const at::Tensor& t : rest) fits = fits && aligned16(t);
+  bool fits = aligned16_rows(g) && D % 16 == 0;
+  for (const at::Tensor& t : rest) fits = fits && aligned16_rows(t);
   const KernelVariant* aligned = fits ? find_variant(kernel, dtype, "aligned", arch) : nullptr;
   const KernelVariant* v = aligned != nullptr ? aligned : find_variant(kernel, dtype, "general", arch);
   TORCH_CHECK(v != nullptr, "fused_ce: no embedded ", kernel, " kernel for this device and ", dtype);

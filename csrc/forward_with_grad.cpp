@@ -96,21 +96,18 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       block_stats.copy_(part);
     }
     cr.lse = block_stats.lse;
+    at::Tensor gx = need[0] ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
     if (filter) {
-      at::Tensor gx = need[0] ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
       filtered_block_grads(pr, plan, cr, o.grad_filter_eps, block, gx, unscale, weight_sum, weight_alpha);
-      if (need[0]) scatter_input_grad(p, g.input, gx, r0);
-    }
-    if (need[0] && !filter) {
-      at::Tensor gx = input_grad_rows(p, g.input, gx_buffer, r0, r1);
-      if (rank_one) {
+    } else {
+      if (need[0] && rank_one) {
         at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), block, w);
-      } else {
+      } else if (need[0]) {
         gemm_into(gx, block, w, /*accumulate=*/false, unscale);
       }
-      scatter_input_grad(p, g.input, gx, r0);
+      if (need[1]) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, weight_alpha);
     }
-    if (need[1] && !filter) gemm_into(g.weight, block.t(), pr.x.to(gemm_dtype), r0 > 0 || rank_one, weight_alpha);
+    if (need[0]) scatter_input_grad(p, g.input, gx, r0);
     if (need[2]) add_column_sums(g.bias, block, ones, unscale);
     add_low_rank_grads(p, g, pr, block, r0, 0, unscale);
   }

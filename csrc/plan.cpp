@@ -32,20 +32,22 @@ Plan plan_rows(const Problem& p, const LossOptions& o, const DeviceFacts& device
     plan_distillation(plan, p, o);
     return plan;
   }
-  const auto filtering = [&](Plan planned) {
-    planned.filters_grads = o.grad_filter_eps > 0.0 && pass == Pass::ForwardWithGrad &&
-                            (planned.strategy == Strategy::StoredLogits || planned.strategy == Strategy::AtenChunks);
-    return planned;
-  };
-  if (device.row_kernels(p.N)) {
+  bool aten = !device.row_kernels(p.N);
+  if (!aten) {
     plan_kernels(plan, p, o, selected);
-    if (!(p.low_rank.defined() && plan.strategy == Strategy::DotTiles)) return filtering(plan);
-    plan = unplanned();  // (the tl.dot tiles form logits of their own, without a low-rank term: the ATen stages)
+    if (p.low_rank.defined() && plan.strategy == Strategy::DotTiles) {
+      plan = unplanned();  // (the tl.dot tiles form logits of their own, without a low-rank term: the ATen stages)
+      aten = true;
+    }
   }
-  const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
-  TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
-  plan_aten_chunks(plan, p, o, selected);
-  return filtering(plan);
+  if (aten) {
+    const bool kept = pass == Pass::ForwardKeepingLogits || pass == Pass::BackwardFromLogits;
+    TORCH_CHECK(!kept || p.N == 0, "fused_ce: the kept-logits passes need the CUDA row kernels (keeps_logits)");
+    plan_aten_chunks(plan, p, o, selected);
+  }
+  plan.filters_grads = o.grad_filter_eps > 0.0 && pass == Pass::ForwardWithGrad &&
+                       (plan.strategy == Strategy::StoredLogits || plan.strategy == Strategy::AtenChunks);
+  return plan;
 }
 
 // A plan's GEMM time and dW re-reads across row blocks (s, from the architecture's rates): what choosing the

@@ -25,8 +25,8 @@ class LinearCrossEntropyLoss(nn.Module):
     ``out_features``, ``reduction``, ``weight`` as a buffer, ``ignore_index``, ``label_smoothing``,
     ``options``, accepted and ignored: this loss is always chunked), validated at construction as torch
     does, plus fused_ce's own keywords (``z_loss``, ``softcap``, ``logit_scale``, ``workspace_bytes``,
-    ``grad_filter_eps``, ``return_lse``, ``process_group`` and ``vocab_start``: then ``num_classes`` is this rank's vocabulary
-    shard, see :mod:`fused_ce.distributed`). ``forward(input, target)`` returns the loss of
+    ``grad_filter_eps``, ``return_lse``, ``process_group`` and ``vocab_start``: then ``num_classes`` is this rank's
+    vocabulary shard, see :mod:`fused_ce.distributed`). ``forward(input, target)`` returns the loss of
     ``.linear(input)`` against ``target`` without materialising the logits. With ``out_features=(d1, ...)``
     the loss is K-dimensional, as torch's: ``.linear`` has ``num_classes * d1 * ...`` outputs, viewed as
     ``[num_classes, d1, ..., in_features]``, and ``target`` is ``[N, d1, ...]``.
