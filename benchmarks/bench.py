@@ -5,6 +5,7 @@
     python benchmarks/bench.py --shapes A --methods fused_ce,torch.compile
     python benchmarks/bench.py --dtype float16  # the same in float16
     python benchmarks/bench.py --ignored 0.5 --mask prompt  # the first half of every 2048-token sequence ignored
+    python benchmarks/bench.py --fused-workspace-mib 1024  # also fused_ce with workspace_bytes=1 GiB
 
 Workload (issue 3): bf16 (or --dtype) input ~ N(0, 1) and weight ~ N(0, 1/D), int64 targets
 with 10% ignore_index (--ignored: at random rows, or --mask prompt: the start of each
@@ -141,6 +142,12 @@ def run(args):
     methods = available_methods()
     if args.methods:
         methods = {k: v for k, v in methods.items() if k in args.methods.split(",")}
+    for mib in filter(None, args.fused_workspace_mib.split(",")):
+        import fused_ce
+
+        methods[f"fused_ce ws={mib}MiB"] = lambda x, w, t, b=int(mib) << 20: fused_ce.linear_cross_entropy(
+            x, w, t, workspace_bytes=b
+        )
     rows = []
     # a cuBLAS call first so that the first-call figure isolates fused_ce's own start-up
     torch.mm(torch.ones(64, 64, device=device), torch.ones(64, 64, device=device))
@@ -274,6 +281,9 @@ def main():
     )
     parser.add_argument("--ignored", type=float, default=0.1, help="fraction of targets set to ignore_index")
     parser.add_argument("--mask", default="scattered", choices=["scattered", "prompt"])
+    parser.add_argument(
+        "--fused-workspace-mib", default="", help="comma list: also fused_ce with workspace_bytes of these MiB"
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files (bench{tag}.json / .png)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()

@@ -93,6 +93,23 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
                                                        std::min(p.V, kMinWeightGradSliceClasses), p.V);
 }
 
+// Row blocks that sum dW in the input dtype where they can. More blocks than input_dtype_accumulations sum dW in
+// a float32 V x D accumulator beside the budget (4·V·D bytes; a float32 read-modify-write of dW per block, ~0.5 ms a
+// 2048-row block at the Llama-3-8B shape, and float16's rounding pass). Instead the blocks grow to that many where
+// they fit in the budget plus the accumulator's bytes: never more memory than the accumulator's plan, fewer and
+// larger GEMMs, dW's error that of input_dtype_accumulations blocks. Not for a lean request (no accumulator to
+// trade). Returns `rows` where it does not apply.
+int64_t rows_summing_dw_in_input_dtype(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
+                                       int64_t budget, int64_t tile_rows) {
+  const at::ScalarType dtype = p.x.scalar_type();
+  const int64_t limit = input_dtype_accumulations(dtype);
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || cdiv(p.N, rows) <= limit || lean_request(p, o)) return rows;
+  // (a capacity in whole GEMM tiles, so that balancing does not add a block)
+  const int64_t grown = balanced_block_rows(p.N, cdiv(cdiv(p.N, limit), tile_rows) * tile_rows, tile_rows);
+  const bool fits = grown * row_bytes <= budget + p.V * p.D * int64_t{sizeof(float)};
+  return fits && cdiv(p.N, grown) <= limit ? grown : rows;
+}
+
 }  // namespace
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
@@ -310,7 +327,13 @@ void plan_backward(Plan& plan, const KernelContext& k) {
 
 void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   const Problem& p = k.p;
-  const int64_t rows = k.balanced(p.N, k.capacity);
+  int64_t rows = k.balanced(p.N, k.capacity);
+  // (not where dW sums in float32 whatever the blocks: float16 without a bound on dW, gradient filtering)
+  const bool scaled_float16_dw =
+      returns_scaled_float16_weight_grad(p, k.o, plan.pass) && float16_grad_weight_scale(p, k.o) > 0.0;
+  if ((!k.half || scaled_float16_dw) && k.o.grad_filter_eps == 0.0) {
+    rows = rows_summing_dw_in_input_dtype(p, k.o, rows, k.row_bytes, plan.budget_bytes, k.arch.gemm_tile_rows);
+  }
   // (2-D tiles are not taught float16's scales, nor selected rows.)
   const int64_t cols = k.half || k.selected ? 0 : vocab_tile_cols(p, k.arch, plan.budget_bytes, rows);
   plan.rank_one_smoothing = k.rank_one;
@@ -358,11 +381,13 @@ void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o) {
     const int64_t row_bytes = ((teacher ? 2 : 1) * p.V + 2 * p.D + (teacher ? p.teacher.x.size(1) : 0)) *
                               static_cast<int64_t>(c10::elementSize(dtype));
     plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / row_bytes, 1, rows);
-    plan.workspace_bytes = plan.block_rows * row_bytes;
     // dW summed in the input dtype over a few blocks (input_dtype_accumulations), else in float32
     if (grads) {
+      plan.block_rows = rows_summing_dw_in_input_dtype(p, o, plan.block_rows, row_bytes, plan.budget_bytes,
+                                                       plan.device.constants.gemm_tile_rows);
       plan.grad_weight_dtype = cdiv(p.N, plan.block_rows) <= input_dtype_accumulations(dtype) ? dtype : at::kFloat;
     }
+    plan.workspace_bytes = plan.block_rows * row_bytes;
     return;
   }
   // ATen: a block's temporaries are about eight [rows, V] tensors in the loss dtype

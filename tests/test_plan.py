@@ -197,12 +197,28 @@ def test_rank_one_smoothing_needs_class_weights_and_no_softcap(softcap):
 
 
 @cuda
-def test_weight_gradient_accumulates_in_float32_beyond_eight_blocks():
-    # 8 row blocks of 2048 at A add dW in bf16; 16 (N = 32768) accumulate in float32 (plan.cpp), unless an
-    # explicit workspace smaller than that V x D float32 buffer asks for a lean call.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_gradient_sums_in_the_input_dtype_where_the_blocks_fit(dtype):
+    # dW adds up to 8 row blocks in bf16 (4 in float16); more would sum in a float32 V x D accumulator beside the
+    # budget. Where that many blocks fit in the budget plus the accumulator's bytes they grow instead (strategies.cpp:
+    # less memory, no float32 read-modify-write per block); past that (8 x 16384 rows of bf16 at A: 4 GiB) dW
+    # accumulates in float32, and an explicit workspace smaller than that buffer asks for a lean call.
     N, D, V = A
-    assert fused_ce.plan(*expanded(N, D, V, torch.bfloat16, "cuda", grad=True)).grad_weight_dtype == torch.bfloat16
-    long = expanded(2 * N, D, V, torch.bfloat16, "cuda", grad=True)
-    assert fused_ce.plan(*long).grad_weight_dtype == torch.float32
-    lean = fused_ce.plan(*long, workspace_bytes=256 * MiB)
-    assert lean.strategy == "stored_logits" and lean.grad_weight_dtype == torch.bfloat16
+    # rows: (blocks, dW's dtype); float16's 4 x 16384 rows (4 GiB) do not fit: float32, 32 blocks of 2048
+    expected = {
+        torch.bfloat16: {N: (8, dtype), 2 * N: (8, dtype), 4 * N: (8, dtype), 8 * N: (64, torch.float32)},
+        torch.float16: {N: (4, dtype), 2 * N: (4, dtype), 4 * N: (32, torch.float32), 8 * N: (64, torch.float32)},
+    }[dtype]
+    one = torch.full((1, 1), 1.0, dtype=dtype, device="cuda")  # (float16's dW scale needs a finite max|x|)
+    for n, (blocks, dw_dtype) in expected.items():
+        _, w, t = expanded(n, D, V, dtype, "cuda", grad=True)
+        plan = fused_ce.plan(one.expand(n, D).requires_grad_(), w, t)
+        assert (plan.strategy, -(-n // plan.block_rows), plan.grad_weight_dtype) == (
+            "stored_logits",
+            blocks,
+            dw_dtype,
+        ), plan
+        assert plan.workspace_bytes <= plan.budget_bytes + V * D * 4, plan  # (no more than the float32 accumulator's)
+    _, w, t = expanded(8 * N, D, V, dtype, "cuda", grad=True)
+    lean = fused_ce.plan(one.expand(8 * N, D).requires_grad_(), w, t, workspace_bytes=256 * MiB)
+    assert lean.strategy == "stored_logits" and lean.grad_weight_dtype == dtype
