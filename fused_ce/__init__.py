@@ -30,6 +30,29 @@ def library_path() -> str:
 
 # the library only after the version check: loading it with another torch fails on undefined symbols
 torch.ops.load_library(library_path())  # registers the ops
+
+
+def _schemas_digest() -> str:
+    """A digest of every fused_ce op's schema (names, arguments, defaults, returns)."""
+    import hashlib
+
+    schemas = sorted(str(s) for s in torch._C._jit_get_all_schemas() if s.name.startswith("fused_ce::"))
+    return hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:16]
+
+
+def _tag_compile_caches() -> None:
+    # torch.compile's caches (inductor's FX graph cache, AOTAutograd's) key a graph by its code, not by the schemas of
+    # the custom ops it calls: a graph cached before an upgrade that changed a schema would call the op with the old
+    # arguments. The schemas' digest joins torch's cache key tag, after the user's own (TORCH_COMPILE_CACHE_KEY_TAG).
+    config = getattr(getattr(torch, "compiler", None), "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return
+    tag = f"fused_ce:{_schemas_digest()}"
+    if tag not in config.cache_key_tag.split(";"):
+        config.cache_key_tag = ";".join(filter(None, (config.cache_key_tag, tag)))
+
+
+_tag_compile_caches()
 from . import _fake  # noqa: E402, F401  (fake kernels for FakeTensor / torch.compile)
 from ._version import __version__  # noqa: E402
 from .functional import (  # noqa: E402

@@ -1,5 +1,7 @@
 """The op under torch.library.opcheck, torch.compile, TorchScript and torch.export."""
 
+import os
+
 import pytest
 import torch
 
@@ -78,6 +80,39 @@ def test_compile_fullgraph_dynamic(device):
             assert rel_err(p.grad, g) < 1e-4
         frames_after_first_shape = frames_after_first_shape or counter.frame_count
     assert counter.frame_count == frames_after_first_shape, "a new shape recompiled"
+
+
+def test_compile_caches_keyed_by_the_op_schemas(tmp_path, monkeypatch):
+    # A graph inductor cached before an upgrade that changed an op's schema would call the op with the old arguments:
+    # fused_ce's schemas' digest joins torch's cache key tag (fused_ce/__init__.py), after the user's own tag.
+    import subprocess
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    tag = f"fused_ce:{fused_ce._schemas_digest()}"
+    assert tag in torch.compiler.config.cache_key_tag.split(";")
+    code = "import torch, fused_ce; fused_ce._tag_compile_caches(); print(torch.compiler.config.cache_key_tag)"
+    env = {**os.environ, "TORCH_COMPILE_CACHE_KEY_TAG": "mine"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"mine;{tag}"  # the user's tag kept, ours once
+
+    # the tag partitions inductor's FX graph cache: another digest (another schema) misses what this one cached
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    x, w, t, _ = make_problem(24, 16, 40)
+
+    def hits_after_compiling():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(lambda x, w, t: fused_ce.linear_cross_entropy(x, w, t), fullgraph=True)(x, w, t)
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    assert hits_after_compiling() == (0, 1)
+    assert hits_after_compiling() == (1, 0)
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "fused_ce:0123456789abcdef")
+    assert hits_after_compiling() == (0, 1)
+    torch._dynamo.reset()
 
 
 @torch.jit.script
