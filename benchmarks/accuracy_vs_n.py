@@ -1,7 +1,7 @@
 """Errors of the loss, dX and dW against float32 as N grows: fused_ce and torch eager, both bf16.
 
     python benchmarks/accuracy_vs_n.py [--ns 16384,32768,65536] [--d 4096] [--v 128256]
-                                       [--loss mean|per_token] [--dtypes bfloat16,float16]
+                                       [--loss mean|per_token] [--dtypes bfloat16,float16] [--liger]
 
 The float32 reference and torch eager's gradients are computed a block of rows at a time so that
 N = 65536 fits: eager's logit gradient is formed per block in bf16 as autograd forms it (float32
@@ -177,7 +177,7 @@ def write(args, stem, title, lines, rows, names, series=None):
     for ax, k in zip(axes, names):
         for group in groups:
             part = [r for r in rows if r.get("dtype", "") == group]
-            for method in ("fused_ce", "torch"):
+            for method in [m for m in ("fused_ce", "torch", "liger-kernel") if m in part[0][k]]:
                 label = f"{method} {group}".strip()
                 ax.plot([r["N"] for r in part], [r[k][method] for r in part], marker="o", label=label)
         ax.set(title=k, xscale="log", xlabel="N", ylabel="relative error")
@@ -194,6 +194,16 @@ def fused(x, w, t):
     return loss.detach(), xg.grad, wg.grad
 
 
+def liger(x, w, t):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = liger_fused_linear_cross_entropy(xg, wg, t)
+    loss = loss[0] if isinstance(loss, tuple) else loss
+    loss.backward()
+    return loss.detach(), xg.grad, wg.grad
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ns", default="16384,32768,65536")
@@ -201,6 +211,7 @@ def main():
     parser.add_argument("--v", type=int, default=128256)
     parser.add_argument("--loss", choices=("mean", "per_token"), default="mean")
     parser.add_argument("--dtypes", default="bfloat16,float16", help="per_token: the input dtypes")
+    parser.add_argument("--liger", action="store_true", help="mean loss: also Liger-Kernel's errors (and its dW's)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -216,8 +227,14 @@ def main():
         row = dict(N=n, dW_accumulation=str(plan.grad_weight_dtype).removeprefix("torch."), peak_GiB=round(peak, 2))
         for name, o, e, r in zip(("loss", "dX", "dW"), ours, eager, ref):
             row[name] = dict(fused_ce=rel_err(o, r), torch=rel_err(e, r))
+        del ours
+        if args.liger:
+            (peer, row["liger_peak_GiB"]) = with_peak_gib(liger, x, w, t)
+            for name, o, r in zip(("loss", "dX", "dW"), peer, ref):
+                row[name]["liger-kernel"] = rel_err(o, r)
+            del peer
         rows.append(row)
-        del x, w, t, ref, eager, ours
+        del x, w, t, ref, eager
         torch.cuda.empty_cache()
     header = (
         "| N | dW accumulates in | fused_ce peak beyond inputs, gradients included (GiB) "
@@ -230,6 +247,14 @@ def main():
             for k in ("loss", "dX", "dW")
         ]
         lines.append(f"| {r['N']} | {r['dW_accumulation']} | {r['peak_GiB']} | " + " | ".join(cells) + " |")
+    if args.liger:
+        lines += ["", "| N | Liger-Kernel peak (GiB) | loss: Liger / torch | dX | dW |", "|---|---|---|---|---|"]
+        for r in rows:
+            cells = [
+                f"{r[k]['liger-kernel']:.2e} / {r[k]['torch']:.2e} ({r[k]['liger-kernel'] / r[k]['torch']:.2f}x)"
+                for k in ("loss", "dX", "dW")
+            ]
+            lines.append(f"| {r['N']} | {r['liger_peak_GiB']:.2f} | " + " | ".join(cells) + " |")
     title = f"bf16, D={args.d}, V={args.v}, mean loss, 10% ignored; relative norm error against float32"
     write(args, "accuracy_vs_n", title, lines, rows, ("loss", "dX", "dW"))
 
