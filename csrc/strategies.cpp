@@ -93,12 +93,8 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
                                                        std::min(p.V, kMinWeightGradSliceClasses), p.V);
 }
 
-// Row blocks that sum dW in the input dtype where they can. More blocks than input_dtype_accumulations sum dW in
-// a float32 V x D accumulator beside the budget (4·V·D bytes; a float32 read-modify-write of dW per block, ~0.5 ms a
-// 2048-row block at the Llama-3-8B shape, and float16's rounding pass). Instead the blocks grow to that many where
-// they fit in the budget plus the accumulator's bytes: never more memory than the accumulator's plan, fewer and
-// larger GEMMs, dW's error that of input_dtype_accumulations blocks. Not for a lean request (no accumulator to
-// trade). Returns `rows` where it does not apply.
+}  // namespace
+
 int64_t rows_summing_dw_in_input_dtype(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
                                        int64_t budget, int64_t tile_rows) {
   const at::ScalarType dtype = p.x.scalar_type();
@@ -109,8 +105,6 @@ int64_t rows_summing_dw_in_input_dtype(const Problem& p, const LossOptions& o, i
   const bool fits = grown * row_bytes <= budget + p.V * p.D * int64_t{sizeof(float)};
   return fits && cdiv(p.N, grown) <= limit ? grown : rows;
 }
-
-}  // namespace
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
 // The products run in the input dtype, as torch's F.linear (the weight is never converted: V x D beside it
@@ -365,49 +359,6 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
 }
 
 }  // namespace
-
-void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o) {
-  const bool grads = plan.pass != Pass::Forward;
-  const bool teacher = p.teacher.x.defined();
-  const at::ScalarType dtype = p.x.scalar_type();
-  const int64_t rows = std::max<int64_t>(p.N, 1);
-  if (grads) plan.grad_input_dtype = dtype;
-  // (the kernels read both heads' logits in one dtype)
-  if (plan.device.row_kernels(p.N) && (!teacher || p.teacher.x.scalar_type() == dtype)) {
-    // a block: both heads' logits in the input dtype, its rows of both inputs and of dX
-    plan.strategy = Strategy::StoredLogits;
-    plan.rows_on_device = true;
-    plan.logits_dtype = dtype;
-    const int64_t row_bytes = ((teacher ? 2 : 1) * p.V + 2 * p.D + (teacher ? p.teacher.x.size(1) : 0)) *
-                              static_cast<int64_t>(c10::elementSize(dtype));
-    plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / row_bytes, 1, rows);
-    // dW summed in the input dtype over a few blocks (input_dtype_accumulations), else in float32
-    if (grads) {
-      plan.block_rows = rows_summing_dw_in_input_dtype(p, o, plan.block_rows, row_bytes, plan.budget_bytes,
-                                                       plan.device.constants.gemm_tile_rows);
-      plan.grad_weight_dtype = cdiv(p.N, plan.block_rows) <= input_dtype_accumulations(dtype) ? dtype : at::kFloat;
-    }
-    plan.workspace_bytes = plan.block_rows * row_bytes;
-    return;
-  }
-  // ATen: a block's temporaries are about eight [rows, V] tensors in the loss dtype
-  plan.strategy = Strategy::AtenChunks;
-  plan.logits_dtype = loss_dtype(p);
-  const int64_t row_bytes = 8 * static_cast<int64_t>(c10::elementSize(plan.logits_dtype)) * std::max<int64_t>(p.V, 1);
-  const auto rows_within = [&](int64_t bytes) { return std::clamp<int64_t>(bytes / row_bytes, 1, rows); };
-  plan.block_rows = rows_within(plan.budget_bytes);
-  if (grads) {
-    // dW accumulated in place over the blocks: in its own dtype (float32, float64: the gradient itself), or, for
-    // bfloat16 and float16 over more than one block, in a float32 accumulator where that fits in half the budget
-    // (the blocks take the rest), else in the input dtype
-    const int64_t float32_dw = p.V * p.D * int64_t{sizeof(float)};
-    const bool half = c10::elementSize(dtype) < 4;
-    const bool float32_sum = half && cdiv(p.N, plan.block_rows) > 1 && float32_dw <= plan.budget_bytes / 2;
-    if (float32_sum) plan.block_rows = rows_within(plan.budget_bytes - float32_dw);
-    plan.grad_weight_dtype = half && !float32_sum ? dtype : plan.logits_dtype;
-  }
-  plan.workspace_bytes = plan.block_rows * row_bytes;
-}
 
 void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selected) {
   plan.rows_on_device = true;

@@ -37,9 +37,18 @@ inline int64_t cdiv(int64_t a, int64_t b) {
 // cubin), and the embedded kernels'.
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
 void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selected);
-// A distillation's (Problem::distills) blocks: the distill_rows kernel's over stored logits of both heads
-// (StoredLogits) where the device has the kernels and the heads share a dtype, else ATen's (AtenChunks).
+// A distillation's (Problem::distills) blocks (distillation_strategy.cpp): the distill_rows kernel's over stored
+// logits of both heads (StoredLogits) where the device has the kernels and the heads share a dtype, else ATen's
+// (AtenChunks).
 void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o);
+// Row blocks that sum dW in the input dtype where they can. More blocks than input_dtype_accumulations sum dW in
+// a float32 V x D accumulator beside the budget (4·V·D bytes; a float32 read-modify-write of dW per block, ~0.5 ms a
+// 2048-row block at the Llama-3-8B shape, and float16's rounding pass). Instead the blocks grow to that many where
+// they fit in the budget plus the accumulator's bytes (`row_bytes` a row): never more memory than the accumulator's
+// plan, fewer and larger GEMMs, dW's error that of input_dtype_accumulations blocks. Not for a lean request (no
+// accumulator to trade). Returns `rows` where it does not apply.
+int64_t rows_summing_dw_in_input_dtype(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
+                                       int64_t budget, int64_t tile_rows);
 // The fewest classes of Plan::weight_grad_slice_classes (where the vocabulary has them).
 constexpr int64_t kMinWeightGradSliceClasses = 16;
 
