@@ -98,12 +98,15 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
 int64_t rows_summing_dw_in_input_dtype(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
                                        int64_t budget, int64_t tile_rows) {
   const at::ScalarType dtype = p.x.scalar_type();
-  const int64_t limit = input_dtype_accumulations(dtype);
-  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || cdiv(p.N, rows) <= limit || lean_request(p, o)) return rows;
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || cdiv(p.N, rows) <= input_dtype_accumulations(dtype) ||
+      lean_request(p, o)) {
+    return rows;
+  }
   // (a capacity in whole GEMM tiles, so that balancing does not add a block)
-  const int64_t grown = balanced_block_rows(p.N, cdiv(cdiv(p.N, limit), tile_rows) * tile_rows, tile_rows);
+  const int64_t capacity = cdiv(cdiv(p.N, kGrownBlocks), tile_rows) * tile_rows;
+  const int64_t grown = balanced_block_rows(p.N, capacity, tile_rows);
   const bool fits = grown * row_bytes <= budget + p.V * p.D * int64_t{sizeof(float)};
-  return fits && cdiv(p.N, grown) <= limit ? grown : rows;
+  return fits && cdiv(p.N, grown) <= kGrownBlocks ? grown : rows;
 }
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).

@@ -21,6 +21,10 @@ constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
 inline int64_t input_dtype_accumulations(at::ScalarType dtype) {
   return dtype == at::kHalf ? 4 : 8;
 }
+// The blocks rows_summing_dw_in_input_dtype grows to. Not bf16's 8: its error against torch's grows with N, as
+// torch's own single rounding comes to dominate its error (8 bf16 additions: 1.36x torch's at N = 16384 in
+// 2048-row blocks, 1.69x at N = 32768 in 4096-row blocks; benchmarks/LOG.md, step 60).
+constexpr int64_t kGrownBlocks = 4;
 // Vocabulary slices of the backward (backward_tiles): at most this many, their dX summed in float32.
 constexpr int64_t kMaxSlices = 8;
 // A per-token loss keeps some rows' logits (kept_logit_rows) only where at least this many fit: fewer save
@@ -43,10 +47,10 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
 void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o);
 // Row blocks that sum dW in the input dtype where they can. More blocks than input_dtype_accumulations sum dW in
 // a float32 V x D accumulator beside the budget (4·V·D bytes; a float32 read-modify-write of dW per block, ~0.5 ms a
-// 2048-row block at the Llama-3-8B shape, and float16's rounding pass). Instead the blocks grow to that many where
+// 2048-row block at the Llama-3-8B shape, and float16's rounding pass). Instead the blocks grow to kGrownBlocks where
 // they fit in the budget plus the accumulator's bytes (`row_bytes` a row): never more memory than the accumulator's
-// plan, fewer and larger GEMMs, dW's error that of input_dtype_accumulations blocks. Not for a lean request (no
-// accumulator to trade). Returns `rows` where it does not apply.
+// plan, fewer and larger GEMMs. Not for a lean request (no accumulator to trade). Returns `rows` where it does not
+// apply.
 int64_t rows_summing_dw_in_input_dtype(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
                                        int64_t budget, int64_t tile_rows);
 // The fewest classes of Plan::weight_grad_slice_classes (where the vocabulary has them).
