@@ -95,18 +95,14 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
 
 }  // namespace
 
-int64_t rows_summing_dw_in_input_dtype(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
-                                       int64_t budget, int64_t tile_rows) {
-  const at::ScalarType dtype = p.x.scalar_type();
-  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || cdiv(p.N, rows) <= input_dtype_accumulations(dtype) ||
-      lean_request(p, o)) {
-    return rows;
-  }
+int64_t rows_summing_float16_dw_in_float16(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
+                                           int64_t budget, int64_t tile_rows) {
+  const int64_t limit = input_dtype_accumulations(at::kHalf);
+  if (p.x.scalar_type() != at::kHalf || cdiv(p.N, rows) <= limit || lean_request(p, o)) return rows;
   // (a capacity in whole GEMM tiles, so that balancing does not add a block)
-  const int64_t capacity = cdiv(cdiv(p.N, kGrownBlocks), tile_rows) * tile_rows;
-  const int64_t grown = balanced_block_rows(p.N, capacity, tile_rows);
+  const int64_t grown = balanced_block_rows(p.N, cdiv(cdiv(p.N, limit), tile_rows) * tile_rows, tile_rows);
   const bool fits = grown * row_bytes <= budget + p.V * p.D * int64_t{sizeof(float)};
-  return fits && cdiv(p.N, grown) <= kGrownBlocks ? grown : rows;
+  return fits && cdiv(p.N, grown) <= limit ? grown : rows;
 }
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
@@ -326,10 +322,9 @@ void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   const Problem& p = k.p;
   int64_t rows = k.balanced(p.N, k.capacity);
   // (not where dW sums in float32 whatever the blocks: float16 without a bound on dW, gradient filtering)
-  const bool scaled_float16_dw =
-      returns_scaled_float16_weight_grad(p, k.o, plan.pass) && float16_grad_weight_scale(p, k.o) > 0.0;
-  if ((!k.half || scaled_float16_dw) && k.o.grad_filter_eps == 0.0) {
-    rows = rows_summing_dw_in_input_dtype(p, k.o, rows, k.row_bytes, plan.budget_bytes, k.arch.gemm_tile_rows);
+  if (returns_scaled_float16_weight_grad(p, k.o, plan.pass) && float16_grad_weight_scale(p, k.o) > 0.0 &&
+      k.o.grad_filter_eps == 0.0) {
+    rows = rows_summing_float16_dw_in_float16(p, k.o, rows, k.row_bytes, plan.budget_bytes, k.arch.gemm_tile_rows);
   }
   // (2-D tiles are not taught float16's scales, nor selected rows.)
   const int64_t cols = k.half || k.selected ? 0 : vocab_tile_cols(p, k.arch, plan.budget_bytes, rows);
