@@ -20,13 +20,11 @@ void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o) {
     const int64_t row_bytes = ((teacher ? 2 : 1) * p.V + 2 * p.D + (teacher ? p.teacher.x.size(1) : 0)) *
                               static_cast<int64_t>(c10::elementSize(dtype));
     plan.block_rows = std::clamp<int64_t>(plan.budget_bytes / row_bytes, 1, rows);
+    plan.workspace_bytes = plan.block_rows * row_bytes;
     // dW summed in the input dtype over a few blocks (input_dtype_accumulations), else in float32
     if (grads) {
-      plan.block_rows = rows_summing_float16_dw_in_float16(p, o, plan.block_rows, row_bytes, plan.budget_bytes,
-                                                           plan.device.constants.gemm_tile_rows);
       plan.grad_weight_dtype = cdiv(p.N, plan.block_rows) <= input_dtype_accumulations(dtype) ? dtype : at::kFloat;
     }
-    plan.workspace_bytes = plan.block_rows * row_bytes;
     return;
   }
   // ATen: a block's temporaries are about eight [rows, V] tensors in the loss dtype

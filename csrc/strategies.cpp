@@ -93,8 +93,14 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
                                                        std::min(p.V, kMinWeightGradSliceClasses), p.V);
 }
 
-}  // namespace
-
+// float16's row blocks of the forward with gradient where they can sum dW in float16. More blocks than
+// input_dtype_accumulations sum dW in a float32 V x D accumulator beside the budget (4·V·D bytes; a float32
+// read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B shape, and a rounding pass). Instead
+// the blocks grow to that many where they fit in the budget plus the accumulator's bytes (`row_bytes` a row): never
+// more memory than the accumulator's plan, fewer and larger GEMMs, dW's error ~1/8 of torch eager's float16 error
+// (whose logit gradient underflows). Not bf16: there the same trade left dW at 1.56x torch's error at N = 32768 in 4
+// blocks (1.69x in 8; benchmarks/LOG.md, step 60), past the 1.5x the float32 sum keeps. Not for a lean request (no
+// accumulator to trade). Returns `rows` where it does not apply.
 int64_t rows_summing_float16_dw_in_float16(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
                                            int64_t budget, int64_t tile_rows) {
   const int64_t limit = input_dtype_accumulations(at::kHalf);
@@ -104,6 +110,8 @@ int64_t rows_summing_float16_dw_in_float16(const Problem& p, const LossOptions& 
   const bool fits = grown * row_bytes <= budget + p.V * p.D * int64_t{sizeof(float)};
   return fits && cdiv(p.N, grown) <= limit ? grown : rows;
 }
+
+}  // namespace
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
 // The products run in the input dtype, as torch's F.linear (the weight is never converted: V x D beside it

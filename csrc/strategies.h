@@ -41,16 +41,6 @@ void plan_kernels(Plan& plan, const Problem& p, const LossOptions& o, bool selec
 // logits of both heads (StoredLogits) where the device has the kernels and the heads share a dtype, else ATen's
 // (AtenChunks).
 void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o);
-// float16's row blocks where they can sum dW in float16. More blocks than input_dtype_accumulations sum dW in a
-// float32 V x D accumulator beside the budget (4·V·D bytes; a float32 read-modify-write of dW per block, ~0.5 ms a
-// 2048-row block at the Llama-3-8B shape, and a rounding pass). Instead the blocks grow to that many where they fit
-// in the budget plus the accumulator's bytes (`row_bytes` a row): never more memory than the accumulator's plan, fewer
-// and larger GEMMs, dW's error ~1/8 of torch eager's float16 error (whose logit gradient underflows). Not bf16: there
-// the same trade left dW at 1.56x torch's error at N = 32768 in 4 blocks (1.69x in 8; benchmarks/LOG.md, step 60),
-// past the 1.5x the float32 sum keeps. Not for a lean request (no accumulator to trade). Returns `rows` where it does
-// not apply.
-int64_t rows_summing_float16_dw_in_float16(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
-                                           int64_t budget, int64_t tile_rows);
 // The fewest classes of Plan::weight_grad_slice_classes (where the vocabulary has them).
 constexpr int64_t kMinWeightGradSliceClasses = 16;
 
