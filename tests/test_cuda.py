@@ -223,6 +223,7 @@ def test_float16_gradient_blocks_leave_room_for_the_logit_scale():
 FLOAT16_WEIGHT_GRAD_CASES = {
     # name: (rows per block, options, change to the inputs)
     "4 blocks": (512, {}, None),
+    "5 blocks of the budget, grown to 4 within the float32 sum's bytes": (420, {}, None),
     "8 blocks: float32, then rounded": (256, {}, None),
     "15 blocks": (128, {}, None),
     "an outlier feature": (512, {}, "outlier"),
@@ -235,7 +236,8 @@ FLOAT16_WEIGHT_GRAD_CASES = {
 @pytest.mark.parametrize("case", list(FLOAT16_WEIGHT_GRAD_CASES))
 def test_float16_weight_grad_at_its_scale(case):
     # float16's dW comes back in float16 times a power of two chosen from a bound on |dW| (max|x| times the
-    # coefficients' sum, Plan.grad_weight_scale), summed in float16 over up to 4 row blocks and in float32 beyond;
+    # coefficients' sum, Plan.grad_weight_scale), summed in float16 over up to 4 row blocks (the budget's blocks grown
+    # to 4 where they fit in it plus the float32 sum's bytes) and in float32 beyond;
     # where there is no bound (an inf in an ignored row's x), summed at unit scale in float32 and scaled by its
     # largest element. Finite, and within 1.5x of torch eager's float16 error against float64 under a loss scale.
     rows, kw, change = FLOAT16_WEIGHT_GRAD_CASES[case]
@@ -250,7 +252,7 @@ def test_float16_weight_grad_at_its_scale(case):
     budget = (rows + 4) * V * 2
     plan = fused_ce.plan(x, w, t, pass_="forward_with_grad", workspace_bytes=budget, **kw)
     blocks = math.ceil(plan.rows / plan.block_rows)  # (the counted rows: 10% are ignored)
-    assert blocks == {512: 4, 256: 8, 128: 15}[rows] and plan.grad_input_dtype == torch.float32, plan
+    assert blocks == {512: 4, 420: 4, 256: 8, 128: 15}[rows] and plan.grad_input_dtype == torch.float32, plan
     if change == "inf":
         assert plan.grad_weight_scale == 0.0 and plan.grad_weight_dtype == torch.float32
     else:
