@@ -243,7 +243,10 @@ def linear_cross_entropy(
             is held (``V`` float32 values on CPU). With ``reduction='none'`` and a gradient on CUDA, the
             forward keeps the logits of as many rows as the budget holds for the backward (held in between);
             a budget with room for every row's keeps them all: 6NDV flops instead of 8NDV
-            (``plan(...).keeps_logits``, ``plan(...).kept_rows``). :func:`plan` shows what a budget buys.
+            (``plan(...).keeps_logits``, ``plan(...).kept_rows``). Past 8 row blocks (4 in float16) the default
+            also holds a float32 ``V x D`` dW sum beside the budget; an explicit budget under that sum's size bounds
+            memory instead, dW then from vocabulary slices (8NDV, slower; docs/usage.md). :func:`plan` shows what a
+            budget buys.
         grad_filter_eps: opt-in gradient filtering for a scalar loss ('mean' or 'sum'; 0, the default, is exact):
             the products of the logits' gradient with ``linear_weight`` (dX) and ``input`` (dW) skip each tile of
             it (64 rows of a row block x 128 classes) whose entries are all below ``grad_filter_eps`` times the
