@@ -93,24 +93,6 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
                                                        std::min(p.V, kMinWeightGradSliceClasses), p.V);
 }
 
-// float16's row blocks of the forward with gradient where they can sum dW in float16. More blocks than
-// input_dtype_accumulations sum dW in a float32 V x D accumulator beside the budget (4·V·D bytes; a float32
-// read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B shape, and a rounding pass). Instead
-// the blocks grow to that many where they fit in the budget plus the accumulator's bytes (`row_bytes` a row): never
-// more memory than the accumulator's plan, fewer and larger GEMMs, dW's error ~1/8 of torch eager's float16 error
-// (whose logit gradient underflows). Not bf16: there the same trade left dW at 1.56x torch's error at N = 32768 in 4
-// blocks (1.69x in 8; benchmarks/LOG.md, step 60), past the 1.5x the float32 sum keeps. Not for a lean request (no
-// accumulator to trade). Returns `rows` where it does not apply.
-int64_t rows_summing_float16_dw_in_float16(const Problem& p, const LossOptions& o, int64_t rows, int64_t row_bytes,
-                                           int64_t budget, int64_t tile_rows) {
-  const int64_t limit = input_dtype_accumulations(at::kHalf);
-  if (p.x.scalar_type() != at::kHalf || cdiv(p.N, rows) <= limit || lean_request(p, o)) return rows;
-  // (a capacity in whole GEMM tiles, so that balancing does not add a block)
-  const int64_t grown = balanced_block_rows(p.N, cdiv(cdiv(p.N, limit), tile_rows) * tile_rows, tile_rows);
-  const bool fits = grown * row_bytes <= budget + p.V * p.D * int64_t{sizeof(float)};
-  return fits && cdiv(p.N, grown) <= limit ? grown : rows;
-}
-
 }  // namespace
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
@@ -326,14 +308,31 @@ void plan_backward(Plan& plan, const KernelContext& k) {
   slice_weight_grad_if_inexact(plan, k.p, k.o, blocks);
 }
 
+// float16's row blocks of the forward with gradient where they can sum dW in float16. More blocks than
+// input_dtype_accumulations sum dW in a float32 V x D accumulator beside the budget (4·V·D bytes; a float32
+// read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B shape, and a rounding pass). Instead
+// the blocks grow to that many where they fit in the budget plus the accumulator's bytes: never more memory than the
+// accumulator's plan, fewer and larger GEMMs, dW's error ~1/8 of torch eager's float16 error (whose logit gradient
+// underflows). Not bf16: there the same trade left dW at 1.56x torch's error at N = 32768 in 4 blocks (1.69x in 8;
+// benchmarks/LOG.md, step 60), past the 1.5x the float32 sum keeps. Not for a lean request (no accumulator to trade),
+// nor where dW sums in float32 whatever the blocks (no bound on dW, gradient filtering). Returns `rows` where it does
+// not apply.
+int64_t rows_summing_float16_dw_in_float16(const Plan& plan, const KernelContext& k, int64_t rows) {
+  const Problem& p = k.p;
+  const int64_t limit = input_dtype_accumulations(at::kHalf);
+  if (cdiv(p.N, rows) <= limit || lean_request(p, k.o) || k.o.grad_filter_eps > 0.0 ||
+      !returns_scaled_float16_weight_grad(p, k.o, plan.pass) || float16_grad_weight_scale(p, k.o) <= 0.0) {
+    return rows;
+  }
+  // (a capacity in whole GEMM tiles, so that balancing does not add a block)
+  const int64_t grown = k.balanced(p.N, cdiv(cdiv(p.N, limit), k.arch.gemm_tile_rows) * k.arch.gemm_tile_rows);
+  const bool fits = grown * k.row_bytes <= plan.budget_bytes + p.V * p.D * int64_t{sizeof(float)};
+  return fits && cdiv(p.N, grown) <= limit ? grown : rows;
+}
+
 void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   const Problem& p = k.p;
-  int64_t rows = k.balanced(p.N, k.capacity);
-  // (not where dW sums in float32 whatever the blocks: float16 without a bound on dW, gradient filtering)
-  if (returns_scaled_float16_weight_grad(p, k.o, plan.pass) && float16_grad_weight_scale(p, k.o) > 0.0 &&
-      k.o.grad_filter_eps == 0.0) {
-    rows = rows_summing_float16_dw_in_float16(p, k.o, rows, k.row_bytes, plan.budget_bytes, k.arch.gemm_tile_rows);
-  }
+  const int64_t rows = rows_summing_float16_dw_in_float16(plan, k, k.balanced(p.N, k.capacity));
   // (2-D tiles are not taught float16's scales, nor selected rows.)
   const int64_t cols = k.half || k.selected ? 0 : vocab_tile_cols(p, k.arch, plan.budget_bytes, rows);
   plan.rank_one_smoothing = k.rank_one;

@@ -44,9 +44,7 @@ def _tag_compile_caches() -> None:
     # torch.compile's caches (inductor's FX graph cache, AOTAutograd's) key a graph by its code, not by the schemas of
     # the custom ops it calls: a graph cached before an upgrade that changed a schema would call the op with the old
     # arguments. The schemas' digest joins torch's cache key tag, after the user's own (TORCH_COMPILE_CACHE_KEY_TAG).
-    config = getattr(getattr(torch, "compiler", None), "config", None)
-    if config is None or not hasattr(config, "cache_key_tag"):
-        return
+    config = torch.compiler.config
     tag = f"fused_ce:{_schemas_digest()}"
     if tag not in config.cache_key_tag.split(";"):
         config.cache_key_tag = ";".join(filter(None, (config.cache_key_tag, tag)))
