@@ -80,17 +80,21 @@ void cuda_sparse_grad_input(const at::Tensor& g, const at::Tensor& w, const at::
   launch(v, g.device(), a);
 }
 
-void cuda_sparse_grad_weight(const at::Tensor& g, const at::Tensor& x, const at::Tensor& acc, const LiveTiles& live,
-                             double alpha) {
+void cuda_sparse_grad_weight(const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw, const LiveTiles& live,
+                             double alpha, bool accumulate) {
   check_block(g);
-  const KernelVariant& v = grad_tiles_variant("sparse_grad_weight", g, {x}, x.size(1));
-  TORCH_CHECK(x.stride(1) == 1 && acc.scalar_type() == at::kFloat && acc.stride(1) == 1 && acc.size(0) == g.size(1) &&
-                  live.index.size(0) == launch_cdiv(g.size(1), v.block_v),
+  // dW summed in g's dtype is the flavor in_dtype (sparse_grad_weight.py)
+  const bool in_dtype = dw.scalar_type() != at::kFloat;
+  const KernelVariant& v =
+      grad_tiles_variant(in_dtype ? "sparse_grad_weight_in_dtype" : "sparse_grad_weight", g, {x}, x.size(1));
+  TORCH_CHECK(x.stride(1) == 1 && (!in_dtype || dw.scalar_type() == g.scalar_type()) && dw.stride(1) == 1 &&
+                  dw.size(0) == g.size(1) && live.index.size(0) == launch_cdiv(g.size(1), v.block_v),
               "fused_ce: bad sparse_grad_weight operands");
   SparseGradWeightArgs a;
   a.g_ptr = g;
   a.x_ptr = x;
-  a.acc_ptr = acc;
+  a.acc_ptr = in_dtype ? at::Tensor() : dw;
+  a.out_ptr = in_dtype ? dw : at::Tensor();
   a.live_ptr = live.index;
   a.count_ptr = live.count;
   a.N = g.size(0);
@@ -98,9 +102,10 @@ void cuda_sparse_grad_weight(const at::Tensor& g, const at::Tensor& x, const at:
   a.D = x.size(1);
   a.stride_gn = g.stride(0);
   a.stride_xn = x.stride(0);
-  a.stride_an = acc.stride(0);
+  a.stride_an = dw.stride(0);
   a.live_rows = live.index.size(1);
   a.alpha = static_cast<float>(alpha);
+  a.accumulate = accumulate ? 1 : 0;
   launch(v, g.device(), a);
 }
 

@@ -70,9 +70,10 @@ struct LiveTiles {
 // out ([N, D] float32) = alpha * g @ w over the tiles of g live in its row tiles' lists (w [V, D]).
 void cuda_sparse_grad_input(const at::Tensor& g, const at::Tensor& w, const at::Tensor& out, const LiveTiles& live,
                             double alpha);
-// acc ([V, D] float32) += alpha * g.T @ x over the tiles of g live in its vocabulary tiles' lists (x [N, D]).
-void cuda_sparse_grad_weight(const at::Tensor& g, const at::Tensor& x, const at::Tensor& acc, const LiveTiles& live,
-                             double alpha);
+// dw ([V, D] float32 or g's dtype) += alpha * g.T @ x over the tiles of g live in its vocabulary tiles' lists
+// (x [N, D]); `accumulate` false: written instead (tiles with no live tile zeroed).
+void cuda_sparse_grad_weight(const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw, const LiveTiles& live,
+                             double alpha, bool accumulate);
 
 // grad *= scale ([] float32 on grad's device) in place by the scale kernel (scale.py), which reads scale on the
 // device and returns at once when it is 1; false where it does not apply (no cubin, a non-contiguous grad).

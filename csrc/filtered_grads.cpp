@@ -31,6 +31,18 @@ at::Tensor aten_tile_mask(const at::Tensor& block, const at::Tensor& threshold, 
   return padded.view({row_tiles, tile_rows, col_tiles, tile_cols}).amax({1, 3}).contiguous();
 }
 
+// Each target's sum of `rows` (float32 [n, D], rows of the block) over the rows whose target it is, at that target's
+// first row in target order (the others zero), and the targets in that order: added to dW in its dtype, each target's
+// rows round once (not once per row, as an index_add_ of every row in that dtype would), without a host sync.
+std::pair<at::Tensor, at::Tensor> sums_by_target(const at::Tensor& target, const at::Tensor& rows) {
+  const auto [sorted, order] = target.sort(/*stable=*/std::optional<bool>(true), 0, /*descending=*/false);
+  const int64_t n = target.size(0);
+  const at::Tensor position = at::arange(n, target.options());
+  const at::Tensor first = sorted.ne(at::constant_pad_nd(sorted, {1, 0}, -1).narrow(0, 0, n));
+  const at::Tensor segment = std::get<0>(at::where(first, position, at::zeros_like(position)).cummax(0));
+  return {at::zeros_like(rows).index_add_(0, segment, rows.index_select(0, order)), sorted};
+}
+
 // The live tiles of each row of `mask` first, and their count.
 LiveTiles live_tiles(const at::Tensor& mask) {
   return {std::get<1>(mask.sort(/*stable=*/true, 1, /*descending=*/true)).to(at::kInt).contiguous(),
@@ -40,8 +52,8 @@ LiveTiles live_tiles(const at::Tensor& mask) {
 }  // namespace
 
 void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoefficients& c, double eps,
-                          const at::Tensor& block, const at::Tensor& gx, double input_alpha,
-                          const at::Tensor& weight_sum, double weight_alpha) {
+                          const at::Tensor& block, const at::Tensor& gx, double input_alpha, const at::Tensor& gw,
+                          bool accumulate_weight, double weight_alpha) {
   const int64_t tile_rows = plan.device.constants.filter_tile_rows, tile_cols = plan.device.constants.filter_tile_cols;
   const int64_t n = block.size(0);
   const at::Tensor threshold = thresholds(pr, c, eps);
@@ -80,13 +92,14 @@ void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoeffic
     sum.add_(pr.w.index_select(0, target).to(at::kFloat).mul_(target_entry.unsqueeze(1)), input_alpha);
     gx.copy_(sum);
   }
-  if (weight_sum.defined()) {
+  if (gw.defined()) {
     if (kernels) {
-      cuda_sparse_grad_weight(block, x, weight_sum, live_tiles(mask.t()), weight_alpha);
+      cuda_sparse_grad_weight(block, x, gw, live_tiles(mask.t()), weight_alpha, accumulate_weight);
     } else {
-      gemm_into(weight_sum, kept.t(), x, /*accumulate=*/true, weight_alpha);
+      gemm_into(gw, kept.t(), x, accumulate_weight, weight_alpha);
     }
-    weight_sum.index_add_(0, target, x.to(at::kFloat).mul_(target_entry.unsqueeze(1)), weight_alpha);
+    const auto [sums, targets] = sums_by_target(target, x.to(at::kFloat).mul_(target_entry.unsqueeze(1)));
+    gw.index_add_(0, targets, sums.mul_(weight_alpha).to(gw.scalar_type()));
   }
 }
 

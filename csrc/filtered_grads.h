@@ -16,10 +16,10 @@ namespace fused_ce {
 
 // The filtered products of one row block pr (its rows of x, the weight, its targets: -1 where none) of gradient
 // `block` ([rows, V] in the plan's logits dtype, coefficients `c` with the rows' lse): gx (dX's rows in their dtype;
-// undefined: not asked for) = input_alpha * block @ w, and weight_sum ([V, D] float32; undefined: not asked for)
-// += weight_alpha * block.T @ x, over the live tiles.
+// undefined: not asked for) = input_alpha * block @ w, and gw (dW [V, D] in the plan's dW dtype; undefined: not asked
+// for) += weight_alpha * block.T @ x over the live tiles (`accumulate_weight` false: the first block, written).
 void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoefficients& c, double eps,
-                          const at::Tensor& block, const at::Tensor& gx, double input_alpha,
-                          const at::Tensor& weight_sum, double weight_alpha);
+                          const at::Tensor& block, const at::Tensor& gx, double input_alpha, const at::Tensor& gw,
+                          bool accumulate_weight, double weight_alpha);
 
 }  // namespace fused_ce

@@ -57,12 +57,8 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     }
     if (need[2]) g.bias.add_(p.class_weight * neg_gamma.sum());
   }
-  // grad_filter_eps: the products over the gradient's live tiles, dW summed in float32 (filtered_grads.h)
+  // grad_filter_eps: the products over the gradient's live tiles (filtered_grads.h)
   const bool filter = plan.filters_grads;
-  const at::Tensor weight_sum = !(filter && need[1]) ? at::Tensor()
-                                : g.weight.scalar_type() == at::kFloat
-                                    ? g.weight.zero_()
-                                    : at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
   const int64_t rows = plan.block_rows;
   at::Tensor logits_buffer = stored_logits ? at::empty({rows, p.V}, p.x.options().dtype(gemm_dtype)) : at::Tensor();
   at::Tensor gx_buffer, ones;
@@ -98,7 +94,8 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     cr.lse = block_stats.lse;
     at::Tensor gx = need[0] ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
     if (filter) {
-      filtered_block_grads(pr, plan, cr, o.grad_filter_eps, block, gx, unscale, weight_sum, weight_alpha);
+      filtered_block_grads(pr, plan, cr, o.grad_filter_eps, block, gx, unscale, need[1] ? g.weight : at::Tensor(),
+                           r0 > 0, weight_alpha);
     } else {
       if (need[0] && rank_one) {
         at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), block, w);
@@ -111,7 +108,6 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     if (need[2]) add_column_sums(g.bias, block, ones, unscale);
     add_low_rank_grads(p, g, pr, block, r0, 0, unscale);
   }
-  if (weight_sum.defined() && !weight_sum.is_same(g.weight)) g.weight.copy_(weight_sum);
   return {s, g};
 }
 

@@ -315,13 +315,12 @@ void plan_backward(Plan& plan, const KernelContext& k) {
 // accumulator's plan, fewer and larger GEMMs, dW's error ~1/8 of torch eager's float16 error (whose logit gradient
 // underflows). Not bf16: there the same trade left dW at 1.56x torch's error at N = 32768 in 4 blocks (1.69x in 8;
 // benchmarks/LOG.md, step 60), past the 1.5x the float32 sum keeps. Not for a lean request (no accumulator to trade),
-// nor where dW sums in float32 whatever the blocks (no bound on dW, gradient filtering). Returns `rows` where it does
-// not apply.
+// nor where dW sums in float32 whatever the blocks (no bound on dW). Returns `rows` where it does not apply.
 int64_t rows_summing_float16_dw_in_float16(const Plan& plan, const KernelContext& k, int64_t rows) {
   const Problem& p = k.p;
   const int64_t limit = input_dtype_accumulations(at::kHalf);
-  if (cdiv(p.N, rows) <= limit || lean_request(p, k.o) || k.o.grad_filter_eps > 0.0 ||
-      !returns_scaled_float16_weight_grad(p, k.o, plan.pass) || float16_grad_weight_scale(p, k.o) <= 0.0) {
+  if (cdiv(p.N, rows) <= limit || lean_request(p, k.o) || !returns_scaled_float16_weight_grad(p, k.o, plan.pass) ||
+      float16_grad_weight_scale(p, k.o) <= 0.0) {
     return rows;
   }
   // (a capacity in whole GEMM tiles, so that balancing does not add a block)

@@ -436,3 +436,11 @@ def test_grad_tiles_mask_and_sparse_products(dtype):
     want_acc = acc.double() + 0.25 * kept.T @ x.double()
     torch.testing.assert_close(jit.sparse_grad_weight_(acc, g, x, mask, alpha=0.25).double(), want_acc, rtol=tol,
                                atol=tol)  # fmt: skip
+    # the first block writes dW (tiles without a live row tile zeroed); dW summed in the input dtype (in_dtype)
+    first = jit.sparse_grad_weight_(torch.randn(V, D, device=DEVICE), g, x, mask, alpha=0.25, accumulate=False)
+    torch.testing.assert_close(first.double(), 0.25 * kept.T @ x.double(), rtol=tol, atol=tol)
+    if dtype != torch.float32:
+        out = acc.to(dtype)
+        want_out = out.double() + 0.25 * kept.T @ x.double()
+        got = jit.sparse_grad_weight_(out, g, x, mask, alpha=0.25).double()
+        torch.testing.assert_close(got, want_out, rtol=4e-3, atol=4e-3 * want_out.abs().max().item())

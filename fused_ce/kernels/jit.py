@@ -316,13 +316,17 @@ def sparse_grad_input(g, w, mask, *, alpha=1.0, config=None):
     return out
 
 
-def sparse_grad_weight_(acc, g, x, mask, *, alpha=1.0, config=None):
-    """acc [V, D] float32 += alpha * g.T @ x over the tiles of g the mask marks live; returns acc."""
+def sparse_grad_weight_(acc, g, x, mask, *, alpha=1.0, accumulate=True, config=None):
+    """acc [V, D] (+)= alpha * g.T @ x over the tiles of g the mask marks live (accumulate False: written, a tile with
+    none live zeroed); acc float32, or in g's dtype (the flavor in_dtype); returns acc."""
     cfg = _config(_sparse_grad_weight, g, config)
     N, V = g.shape
     live, count = live_tiles(mask.t())
-    _launch(_sparse_grad_weight, dict(g_ptr=g, x_ptr=x, acc_ptr=acc, live_ptr=live, count_ptr=count, N=N, V=V,
+    in_dtype = acc.dtype != torch.float32
+    _launch(_sparse_grad_weight, dict(g_ptr=g, x_ptr=x, acc_ptr=acc if not in_dtype else acc.float()[:0],
+                                      out_ptr=acc if in_dtype else g, live_ptr=live, count_ptr=count, N=N, V=V,
                                       D=x.shape[1], stride_gn=g.stride(0), stride_xn=x.stride(0),
-                                      stride_an=acc.stride(0), live_rows=live.shape[1], alpha=float(alpha)),
-            **_grad_tile_meta(cfg, g))
+                                      stride_an=acc.stride(0), live_rows=live.shape[1], alpha=float(alpha),
+                                      accumulate=int(accumulate)),
+            IN_DTYPE=in_dtype, **_grad_tile_meta(cfg, g))
     return acc

@@ -1,9 +1,11 @@
-"""dW of a block from its gradient's live tiles: ``acc[v] += alpha * G[live, v].T @ X[live]`` per vocabulary tile.
+"""dW of a block from its gradient's live tiles: ``dW[v] (+)= alpha * G[live, v].T @ X[live]`` per vocabulary tile.
 
-G [N, V] (a block's logit gradient), X [N, D] (its rows), acc [V, D] float32 (dW summed over the blocks).
-Each program adds a BLOCK_V x BLOCK_D tile from the row tiles its vocabulary tile lists as live (``live_ptr``:
-tile k's live row tiles first, ``count_ptr``: how many; from grad_tile_mask.py's mask, transposed), and
-leaves a tile with none untouched (grad_filter_eps).
+G [N, V] (a block's logit gradient), X [N, D] (its rows). dW [V, D] sums over the row blocks in the plan's dW dtype
+(csrc/strategies.cpp): in float32 (``acc_ptr``), or in the input dtype (``out_ptr``, the flavor IN_DTYPE: each
+block's sum rounded once, as cuBLAS's accumulating GEMM does on the exact path). Each program sums a BLOCK_V x
+BLOCK_D tile over the row tiles its vocabulary tile lists as live (``live_ptr``: tile k's live row tiles first,
+``count_ptr``: how many; from grad_tile_mask.py's mask, transposed) and adds it to dW's tile (``accumulate`` 1) or
+writes it there (0: the first block; a tile with no live row tile then writes zeros).
 """
 import triton
 import triton.language as tl
@@ -13,29 +15,31 @@ from .spec import KernelSpec
 SPEC = KernelSpec(
     "sparse_grad_weight",
     params=(
-        ("g_ptr", "*T"), ("x_ptr", "*T"), ("acc_ptr", "*fp32"), ("live_ptr", "*i32"), ("count_ptr", "*i32"),
-        ("N", "i64"), ("V", "i64"), ("D", "i64"), ("stride_gn", "i64"), ("stride_xn", "i64"), ("stride_an", "i64"),
-        ("live_rows", "i64"), ("alpha", "fp32"),
+        ("g_ptr", "*T"), ("x_ptr", "*T"), ("acc_ptr", "*fp32"), ("out_ptr", "*T"), ("live_ptr", "*i32"),
+        ("count_ptr", "*i32"), ("N", "i64"), ("V", "i64"), ("D", "i64"), ("stride_gn", "i64"), ("stride_xn", "i64"),
+        ("stride_an", "i64"), ("live_rows", "i64"), ("alpha", "fp32"), ("accumulate", "i32"),
     ),
     family="grad_tiles",
     grid="cdiv(V, COLS) * cdiv(D, DEPTH)",
     divisible_by_16=frozenset({"g_ptr", "x_ptr", "stride_gn", "stride_xn", "D"}),
+    flavors=(("in_dtype", (("IN_DTYPE", True),)),),
 )
 
 
 @triton.jit
 def sparse_grad_weight_kernel(
-    g_ptr, x_ptr, acc_ptr, live_ptr, count_ptr,
+    g_ptr, x_ptr, acc_ptr, out_ptr, live_ptr, count_ptr,
     N, V, D, stride_gn, stride_xn, stride_an,
-    live_rows, alpha,
+    live_rows, alpha, accumulate,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     d_tiles = tl.cdiv(D, BLOCK_D)
     k = pid // d_tiles
     n = pid % d_tiles
     count = tl.load(count_ptr + k)
-    if count == 0:
+    if accumulate != 0 and count == 0:
         return
     cols = k.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     dcols = n.to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -51,6 +55,14 @@ def sparse_grad_weight_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xn + dcols[None, :], mask=row_mask[:, None] & d_mask[None, :],
                     other=0.0)
         acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PRECISION)
-    ptrs = acc_ptr + cols[:, None] * stride_an + dcols[None, :]
+    acc = acc * alpha
+    offsets = cols[:, None] * stride_an + dcols[None, :]
     out_mask = col_mask[:, None] & d_mask[None, :]
-    tl.store(ptrs, tl.load(ptrs, mask=out_mask, other=0.0) + acc * alpha, mask=out_mask)
+    if IN_DTYPE:
+        if accumulate != 0:
+            acc += tl.load(out_ptr + offsets, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        if accumulate != 0:
+            acc += tl.load(acc_ptr + offsets, mask=out_mask, other=0.0)
+        tl.store(acc_ptr + offsets, acc, mask=out_mask)
