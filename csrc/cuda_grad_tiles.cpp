@@ -2,6 +2,8 @@
 // live tiles (grad_tile_mask.py, sparse_grad_input.py, sparse_grad_weight.py).
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "cuda_driver.h"
 #include "cuda_stages.h"
 #include "kernel_args.h"
@@ -60,13 +62,21 @@ void cuda_sparse_grad_input(const at::Tensor& g, const at::Tensor& w, const at::
                             double alpha) {
   check_block(g);
   const KernelVariant& v = grad_tiles_variant("sparse_grad_input", g, {w}, w.size(1));
-  TORCH_CHECK(w.stride(1) == 1 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == g.size(0) &&
+  TORCH_CHECK(w.stride(1) == 1 && out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == g.size(0) &&
                   live.index.size(0) == launch_cdiv(g.size(0), v.block_n),
               "fused_ce: bad sparse_grad_input operands");
+  // A block has few row tiles (32 at 2048 rows): each one's live list in parts, so that the programs fill the GPU
+  // (kProgramsPerSm of them an SM, at most kMaxSplits parts, summed here in a fixed order; benchmarks/LOG.md,
+  // step 61)
+  constexpr int64_t kProgramsPerSm = 4, kMaxSplits = 8;
+  const int64_t tiles = launch_cdiv(g.size(0), v.block_n) * launch_cdiv(w.size(1), v.block_d);
+  const int64_t splits =
+      std::clamp<int64_t>(launch_cdiv(kProgramsPerSm * device_sm_count(g.device().index()), tiles), 1, kMaxSplits);
+  const at::Tensor parts = splits == 1 ? out : at::empty({splits, out.size(0), out.size(1)}, out.options());
   SparseGradInputArgs a;
   a.g_ptr = g;
   a.w_ptr = w;
-  a.out_ptr = out;
+  a.out_ptr = parts;
   a.live_ptr = live.index;
   a.count_ptr = live.count;
   a.N = g.size(0);
@@ -74,10 +84,16 @@ void cuda_sparse_grad_input(const at::Tensor& g, const at::Tensor& w, const at::
   a.D = w.size(1);
   a.stride_gn = g.stride(0);
   a.stride_wv = w.stride(0);
-  a.stride_on = out.stride(0);
+  a.stride_os = splits == 1 ? 0 : parts.stride(0);
+  a.stride_on = out.size(1);
   a.live_cols = live.index.size(1);
+  a.splits = splits;
   a.alpha = static_cast<float>(alpha);
   launch(v, g.device(), a);
+  if (splits > 1) {
+    at::Tensor sum = out;
+    at::sum_out(sum, parts, 0);
+  }
 }
 
 void cuda_sparse_grad_weight(const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw, const LiveTiles& live,

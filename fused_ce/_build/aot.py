@@ -75,7 +75,7 @@ def variant_spec(name, dtype, layout, arch):
     if list(fn.arg_names) != expected:
         raise RuntimeError(f"{kernel}: kernel arguments {fn.arg_names} do not match its SPEC {expected}")
     aligned = layout == "aligned"
-    cfg = configs.config(spec.family, arch, dtype)
+    cfg = configs.config(spec.family, arch, dtype, spec.name)
     if spec.family == "dot_tiles":
         constexprs = {
             "BLOCK_N": cfg.block_n,

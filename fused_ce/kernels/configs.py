@@ -72,8 +72,14 @@ INTERPRETER = {
 }
 
 
-def config(family: str, arch: int, dtype: str):
-    """The configuration of a kernel family on `arch` for input dtype `dtype` ("bf16", "fp16", "fp32")."""
+# Half-precision products over a block's live tiles (grad_filter_eps) on the larger parts, per kernel: features
+# per program, warps, stages (benchmarks/LOG.md, step 61).
+GRAD_TILE_PRODUCTS = {"sparse_grad_input": (128, 4, 3), "sparse_grad_weight": (128, 4, 3)}
+
+
+def config(family: str, arch: int, dtype: str, kernel: str = ""):
+    """The configuration of a kernel family (of kernel `kernel`, where the family's kernels differ) on `arch` for
+    input dtype `dtype` ("bf16", "fp16", "fp32")."""
     if family == "dot_tiles":
         table = _DOT_TILES_FP32 if dtype == "fp32" else _DOT_TILES_HALF
         if arch in table:
@@ -86,9 +92,10 @@ def config(family: str, arch: int, dtype: str):
         # ATen stages filter the same tiles), the products' features per program within shared memory
         tile = ARCH_CONSTANTS[0]
         small = arch in (86, 89, 120)  # ~99 KB of shared memory per block
-        depth = 64 if dtype == "fp32" or small else 128
-        stages = 2 if dtype == "fp32" or small else 3
-        return GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, depth, 4, stages)
+        if dtype == "fp32" or small:
+            return GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, 64, 4, 2)
+        products = GRAD_TILE_PRODUCTS.get(kernel, (128, 4, 3))  # (the mask: its tile alone matters)
+        return GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, *products)
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping

@@ -64,7 +64,7 @@ def _config(module, t, config=None):
         return config
     if not t.is_cuda:
         return configs.INTERPRETER[module.SPEC.family]
-    return configs.config(module.SPEC.family, _arch(t), _DTYPES.get(t.dtype, "fp32"))
+    return configs.config(module.SPEC.family, _arch(t), _DTYPES.get(t.dtype, "fp32"), module.SPEC.name)
 
 
 def _fast_tanh(t):
@@ -303,17 +303,19 @@ def live_tiles(mask):
     return order.contiguous(), mask.sum(1, dtype=torch.int32)
 
 
-def sparse_grad_input(g, w, mask, *, alpha=1.0, config=None):
-    """float32 [N, D]: alpha * g @ w over the tiles of g the mask marks live (the others read as zero)."""
+def sparse_grad_input(g, w, mask, *, alpha=1.0, splits=1, config=None):
+    """float32 [N, D]: alpha * g @ w over the tiles of g the mask marks live (the others read as zero), each row
+    tile's live list summed in `splits` parts."""
     cfg = _config(_sparse_grad_input, g, config)
     N, V = g.shape
-    out = torch.empty(N, w.shape[1], dtype=torch.float32, device=g.device)
+    out = torch.empty(splits, N, w.shape[1], dtype=torch.float32, device=g.device)
     live, count = live_tiles(mask)
     _launch(_sparse_grad_input, dict(g_ptr=g, w_ptr=w, out_ptr=out, live_ptr=live, count_ptr=count, N=N, V=V,
                                      D=w.shape[1], stride_gn=g.stride(0), stride_wv=w.stride(0),
-                                     stride_on=out.stride(0), live_cols=live.shape[1], alpha=float(alpha)),
+                                     stride_os=out.stride(0), stride_on=out.stride(1), live_cols=live.shape[1],
+                                     splits=splits, alpha=float(alpha)),
             **_grad_tile_meta(cfg, g))
-    return out
+    return out.sum(0)
 
 
 def sparse_grad_weight_(acc, g, x, mask, *, alpha=1.0, accumulate=True, config=None):
