@@ -32,15 +32,21 @@ at::Tensor aten_tile_mask(const at::Tensor& block, const at::Tensor& threshold, 
 }
 
 // Each target's sum of `rows` (float32 [n, D], rows of the block) over the rows whose target it is, at that target's
-// first row in target order (the others zero), and the targets in that order: added to dW in its dtype, each target's
-// rows round once (not once per row, as an index_add_ of every row in that dtype would), without a host sync.
+// last row in target order (the others zero), and the targets in that order: added to dW in its dtype, each target's
+// rows round once (not once per row, as an index_add_ of every row in that dtype would), with no host sync and no
+// atomics in the sums (a float64 running sum, differenced per target: deterministic).
 std::pair<at::Tensor, at::Tensor> sums_by_target(const at::Tensor& target, const at::Tensor& rows) {
   const auto [sorted, order] = target.sort(/*stable=*/std::optional<bool>(true), 0, /*descending=*/false);
   const int64_t n = target.size(0);
+  const at::Tensor in_order = rows.index_select(0, order).to(at::kDouble);
+  const at::Tensor running = in_order.cumsum(0);
   const at::Tensor position = at::arange(n, target.options());
   const at::Tensor first = sorted.ne(at::constant_pad_nd(sorted, {1, 0}, -1).narrow(0, 0, n));
-  const at::Tensor segment = std::get<0>(at::where(first, position, at::zeros_like(position)).cummax(0));
-  return {at::zeros_like(rows).index_add_(0, segment, rows.index_select(0, order)), sorted};
+  const at::Tensor last = sorted.ne(at::constant_pad_nd(sorted, {0, 1}, -1).narrow(0, 1, n));
+  const at::Tensor segment_start = std::get<0>(at::where(first, position, at::zeros_like(position)).cummax(0));
+  const at::Tensor before = (running - in_order).index_select(0, segment_start);
+  const at::Tensor sums = at::where(last.unsqueeze(1), running - before, at::zeros({}, running.options()));
+  return {sums.to(at::kFloat), sorted};
 }
 
 // The live tiles of each row of `mask` first, and their count.
