@@ -160,3 +160,29 @@ def test_several_blocks_and_targets_shared_by_rows(device):
     linear_cross_entropy(*again, t, grad_filter_eps=EPS, workspace_bytes=budget).backward()
     for a, b in zip(inputs, again, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_memory_within_the_exact_plans():
+    """On CUDA the filtered products sum dW in the plan's dW dtype (bf16 here, in dW itself: the in_dtype flavor):
+    the peak beyond inputs and gradients is the exact plan's plus the tile lists and dX's partial sums."""
+    x, w, t = peaked_problem(2000, 256, 8192, "cuda", dtype=torch.bfloat16, sharpness=2.0)
+
+    def peak(**kw):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        linear_cross_entropy(xl, wl, t, **kw).backward()  # (cuBLAS's workspace and the cubins: not ours)
+        xl.grad = wl.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            linear_cross_entropy(xl, wl, t, **kw).backward()
+            torch.cuda.synchronize()
+        assert wl.grad.dtype == torch.bfloat16
+        grads = xl.grad.numel() * 2 + wl.grad.numel() * 2
+        return torch.cuda.max_memory_allocated() - base - grads, {e.name for e in prof.events()}
+
+    exact, _ = peak()
+    filtered, kernels = peak(grad_filter_eps=EPS)
+    assert any("sparse_grad_weight_kernel" in k for k in kernels), kernels
+    assert filtered <= exact + 8 * 2000 * 256 * 4 + (4 << 20), (filtered, exact)
