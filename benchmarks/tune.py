@@ -97,12 +97,18 @@ def grad_tile_cases(cfg, density, x, w):
     target = torch.full((N,), -1, device=x.device, dtype=torch.int64)
     mask = jit.grad_tile_mask(g, threshold, target, config=cfg)
     acc = torch.zeros(V, D, device=x.device)
+    dw = torch.zeros(V, D, device=x.device, dtype=x.dtype)
+    # the library's parts of dX's live lists (cuda_grad_tiles.cpp: 4 programs an SM, at most 8 parts)
+    tiles = -(-N // cfg.block_n) * -(-D // cfg.block_d)
+    splits = max(1, min(8, -(-4 * torch.cuda.get_device_properties(x.device).multi_processor_count // tiles)))
     cases = {
         "mask": lambda: jit.grad_tile_mask(g, threshold, target, config=cfg),
-        "dX sparse": lambda: jit.sparse_grad_input(g, w, mask, config=cfg),
-        "dW sparse": lambda: jit.sparse_grad_weight_(acc, g, x, mask, config=cfg),
+        f"dX sparse, {splits} parts": lambda: jit.sparse_grad_input(g, w, mask, splits=splits, config=cfg),
+        "dX sparse, 1 part": lambda: jit.sparse_grad_input(g, w, mask, config=cfg),
+        "dW sparse into bf16": lambda: jit.sparse_grad_weight_(dw, g, x, mask, config=cfg),
+        "dW sparse into fp32": lambda: jit.sparse_grad_weight_(acc, g, x, mask, config=cfg),
         "dX cuBLAS dense": lambda: g @ w,
-        "dW cuBLAS dense": lambda: g.T @ x,
+        "dW cuBLAS dense": lambda: dw.addmm_(g.T, x),
     }
     return cases, mask.float().mean().item()
 
