@@ -68,14 +68,15 @@ bool lean_request(const Problem& p, const LossOptions& o) {
 }
 
 // The dtype dW accumulates in across `blocks` row blocks: the input dtype (each block's sum rounded once
-// more) up to input_dtype_accumulations blocks, float32 beyond (a V x D float32 accumulator, 2 GiB at
+// more) where sums_weight_grad_in_input_dtype allows it, float32 beyond (a V x D float32 accumulator, 2 GiB at
 // V = 128256, D = 4096, held while the gradient is computed, outside workspace_bytes) so that its error stays
 // within 1.5x of one rounding at any N (benchmarks/LOG.md, step 18). An explicit workspace_bytes smaller
 // than that accumulator is a lean request: the row blocks keep the input dtype, and dW comes from vocabulary
 // slices of its own instead (weight_grad_slice_classes).
 at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
-  return blocks > input_dtype_accumulations(dtype) && !lean_request(p, o) ? at::promote_types(dtype, at::kFloat)
-                                                                          : dtype;
+  return !sums_weight_grad_in_input_dtype(dtype, blocks, p.N, p.V) && !lean_request(p, o)
+             ? at::promote_types(dtype, at::kFloat)
+             : dtype;
 }
 
 // Where the row blocks would sum bfloat16's or float16's dW in that dtype (grad_weight_dtype, as planned) over
@@ -86,7 +87,7 @@ at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::Sca
 void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOptions& o, int64_t blocks) {
   const at::ScalarType dtype = p.x.scalar_type();
   if ((dtype != at::kBFloat16 && dtype != at::kHalf) || plan.grad_weight_dtype != dtype || o.policy_loss ||
-      o.vocab_parallel() || blocks <= input_dtype_accumulations(dtype)) {
+      o.vocab_parallel() || sums_weight_grad_in_input_dtype(dtype, blocks, p.N, p.V)) {
     return;
   }
   plan.weight_grad_slice_classes = std::clamp<int64_t>(plan.budget_bytes / 2 / (p.D * int64_t{sizeof(float)}),
@@ -125,7 +126,8 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
     // each row's dX from one product over its whole vocabulary row
     plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
     const int64_t float32_dw = p.V * p.D * int64_t{sizeof(float)};
-    if (elem < math_bytes && !unit_float16 && cdiv(p.N, plan.block_rows) > input_dtype_accumulations(dtype) &&
+    if (elem < math_bytes && !unit_float16 &&
+        !sums_weight_grad_in_input_dtype(dtype, cdiv(p.N, plan.block_rows), p.N, p.V) &&
         float32_dw <= plan.budget_bytes / 2) {
       plan.grad_weight_dtype = at::kFloat;
       accumulator_bytes = float32_dw;

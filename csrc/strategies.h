@@ -21,6 +21,18 @@ constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
 inline int64_t input_dtype_accumulations(at::ScalarType dtype) {
   return dtype == at::kHalf ? 4 : 8;
 }
+// Whether dW may sum over `blocks` row blocks of `rows` rows in all in the input dtype. bf16's error grows with the
+// rows summed against the classes as well as with the blocks: a row adds its target's x to its class's dW row, so
+// where each class holds several targets its running sum is rounded, at full size, once per block (one H100/H200:
+// 8 blocks at 0.128 rows a class 1.35x torch's single rounding; 4 at 0.255 1.56x, 8 at 0.255 1.69x; emulated at
+// V = 32000: 4 blocks at 1.02 rows a class 1.56x, 8 at 2.05 2.0x; benchmarks/LOG.md, step 62). So bf16 sums in
+// bf16 over 2 blocks at most (~1.2x), or up to input_dtype_accumulations where rows <= kInputDtypeRowsPerClass x
+// classes; float16 up to its input_dtype_accumulations.
+constexpr double kInputDtypeRowsPerClass = 0.13;
+inline bool sums_weight_grad_in_input_dtype(at::ScalarType dtype, int64_t blocks, int64_t rows, int64_t classes) {
+  if (blocks > input_dtype_accumulations(dtype)) return false;
+  return dtype == at::kHalf || blocks <= 2 || static_cast<double>(rows) <= kInputDtypeRowsPerClass * classes;
+}
 // Vocabulary slices of the backward (backward_tiles): at most this many, their dX summed in float32.
 constexpr int64_t kMaxSlices = 8;
 // A per-token loss keeps some rows' logits (kept_logit_rows) only where at least this many fit: fewer save
