@@ -63,6 +63,11 @@ at::ScalarType accumulate_dtype(at::ScalarType dtype, int64_t blocks) {
   return blocks > 1 ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
+// The loss's classes: a vocabulary shard's problem (vocab_parallel.h) holds only its own, its targets spread over all.
+int64_t loss_classes(const Problem& p, const LossOptions& o) {
+  return o.vocab_parallel() ? o.vocab_size : p.V;
+}
+
 bool lean_request(const Problem& p, const LossOptions& o) {
   return o.workspace_bytes.has_value() && *o.workspace_bytes < p.V * p.D * int64_t{4};
 }
@@ -74,7 +79,7 @@ bool lean_request(const Problem& p, const LossOptions& o) {
 // than that accumulator is a lean request: the row blocks keep the input dtype, and dW comes from vocabulary
 // slices of its own instead (weight_grad_slice_classes).
 at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
-  return !sums_weight_grad_in_input_dtype(dtype, blocks, p.N, p.V) && !lean_request(p, o)
+  return !sums_weight_grad_in_input_dtype(dtype, blocks, p.N, loss_classes(p, o)) && !lean_request(p, o)
              ? at::promote_types(dtype, at::kFloat)
              : dtype;
 }
@@ -127,7 +132,7 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
     plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
     const int64_t float32_dw = p.V * p.D * int64_t{sizeof(float)};
     if (elem < math_bytes && !unit_float16 &&
-        !sums_weight_grad_in_input_dtype(dtype, cdiv(p.N, plan.block_rows), p.N, p.V) &&
+        !sums_weight_grad_in_input_dtype(dtype, cdiv(p.N, plan.block_rows), p.N, loss_classes(p, o)) &&
         float32_dw <= plan.budget_bytes / 2) {
       plan.grad_weight_dtype = at::kFloat;
       accumulator_bytes = float32_dw;

@@ -25,7 +25,7 @@ def expanded(N, D, V, dtype=torch.float32, device="cpu", grad=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("pass_", ["forward", "backward", "forward_with_grad"])
 def test_cpu_takes_aten_chunks_within_budget(dtype, pass_):
-    N, D, V = 5000, 64, 3000
+    N, D, V = 1000, 64, 16000
     plan = fused_ce.plan(*expanded(N, D, V, dtype), pass_=pass_)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     assert plan.pass_ == pass_ and plan.strategy == "aten_chunks"
@@ -37,7 +37,7 @@ def test_cpu_takes_aten_chunks_within_budget(dtype, pass_):
     assert plan.workspace_bytes == plan.block_rows * row_bytes <= plan.budget_bytes
     if pass_ == "forward":
         assert plan.grad_input_dtype is None and plan.grad_weight_dtype is None
-    else:  # (3 row blocks of bf16: dW sums them in bf16)
+    else:  # (3 row blocks of bf16 at 0.06 rows a class: dW sums them in bf16)
         assert plan.grad_input_dtype == dtype and plan.grad_weight_dtype == dtype
 
 
