@@ -325,7 +325,7 @@ def sparse_grad_weight_(acc, g, x, mask, *, alpha=1.0, accumulate=True, config=N
     N, V = g.shape
     live, count = live_tiles(mask.t())
     in_dtype = acc.dtype != torch.float32
-    _launch(_sparse_grad_weight, dict(g_ptr=g, x_ptr=x, acc_ptr=acc if not in_dtype else acc.float()[:0],
+    _launch(_sparse_grad_weight, dict(g_ptr=g, x_ptr=x, acc_ptr=g if in_dtype else acc,
                                       out_ptr=acc if in_dtype else g, live_ptr=live, count_ptr=count, N=N, V=V,
                                       D=x.shape[1], stride_gn=g.stride(0), stride_xn=x.stride(0),
                                       stride_an=acc.stride(0), live_rows=live.shape[1], alpha=float(alpha),
