@@ -2,12 +2,14 @@
 
     python benchmarks/accuracy_vs_n.py [--ns 16384,32768,65536] [--d 4096] [--v 128256]
                                        [--loss mean|per_token] [--dtypes bfloat16,float16] [--liger]
+                                       [--zipf 1.0]
 
 The float32 reference and torch eager's gradients are computed a block of rows at a time so that
 N = 65536 fits: eager's logit gradient is formed per block in bf16 as autograd forms it (float32
 softmax, one rounding) into one [N, V] bf16 tensor, then multiplied back by one GEMM each for dX and
 dW, which is what `F.cross_entropy(F.linear(x, w).float(), t).backward()` computes. Prints a table,
-writes accuracy_vs_n.{json,md,png} to --out.
+writes accuracy_vs_n.{json,md,png} to --out. --zipf draws the targets with text's token frequencies
+(common.zipf_targets): dW's rows of frequent tokens sum many rows, which bf16 sums round at full size.
 
 --loss per_token: the RL objective of issue 22, `sum(adv * log_probs) + 0.01 * sum(entropy)` with per-token
 advantages, through `fused_ce.linear_log_probs(..., return_entropy=True)` in its default workspace; errors of
@@ -122,7 +124,7 @@ def per_token_main(args):
     rows = []
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for n in map(int, args.ns.split(",")):
-            x, w, t = make_inputs(n, args.d, args.v, "cuda", dtype=dtype, seed=n)
+            x, w, t = make_inputs(n, args.d, args.v, "cuda", dtype=dtype, seed=n, zipf=args.zipf)
             adv = torch.randn(n, device="cuda")
             xl = x.detach().requires_grad_()
             forward = fused_ce.plan(xl, w, t, reduction="none")
@@ -161,6 +163,8 @@ def per_token_main(args):
 
 def write(args, stem, title, lines, rows, names, series=None):
     env = environment()
+    if args.zipf:
+        stem, title = f"{stem}_zipf{args.zipf}", f"{title}; targets by Zipf {args.zipf} frequencies"
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
@@ -212,6 +216,7 @@ def main():
     parser.add_argument("--loss", choices=("mean", "per_token"), default="mean")
     parser.add_argument("--dtypes", default="bfloat16,float16", help="per_token: the input dtypes")
     parser.add_argument("--liger", action="store_true", help="mean loss: also Liger-Kernel's errors (and its dW's)")
+    parser.add_argument("--zipf", type=float, default=0.0, help="targets by text's token frequencies (0: uniform)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -219,7 +224,7 @@ def main():
         return per_token_main(args)
     rows = []
     for n in map(int, args.ns.split(",")):
-        x, w, t = make_inputs(n, args.d, args.v, "cuda", seed=n)
+        x, w, t = make_inputs(n, args.d, args.v, "cuda", seed=n, zipf=args.zipf)
         plan = fused_ce.plan(x.detach().requires_grad_(), w.detach().requires_grad_(), t)
         ref = reference(x, w, t, torch.float32)
         eager = reference(x, w, t, torch.bfloat16)

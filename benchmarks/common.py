@@ -26,14 +26,25 @@ PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
 SEQUENCE = 2048  # tokens per sequence of the prompt mask
 
 
-def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0, ignored=0.1, mask="scattered"):
-    """x ~ N(0, 1), W ~ N(0, 1/D), targets with a fraction `ignored` set to -100: at random rows ("scattered")
-    or the first part of every 2048-token sequence ("prompt", as supervised fine-tuning masks the prompt)."""
+def zipf_targets(N, V, exponent, generator):
+    """N targets with text's token frequencies, p(k) ~ 1 / (k + 1)^exponent, the frequent ones at random ids."""
+    device = generator.device
+    weights = 1.0 / torch.arange(1, V + 1, device=device, dtype=torch.float64) ** exponent
+    ranks = torch.multinomial(weights, N, replacement=True, generator=generator)
+    return torch.randperm(V, device=device, generator=generator)[ranks]
+
+
+def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0, ignored=0.1, mask="scattered", zipf=0.0):
+    """x ~ N(0, 1), W ~ N(0, 1/D), targets uniform (or, zipf > 0, by zipf_targets) with a fraction `ignored` set to
+    -100: at random rows ("scattered") or the first part of every 2048-token sequence ("prompt", as supervised
+    fine-tuning masks the prompt)."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     x = torch.randn(N, D, device=device, dtype=dtype, generator=g)
     w = (torch.randn(V, D, device=device, generator=g) / math.sqrt(D)).to(dtype)
     t = torch.randint(0, V, (N,), device=device, generator=g)
+    if zipf:
+        t = zipf_targets(N, V, zipf, g)
     if mask == "prompt":
         seq = min(SEQUENCE, N)
         t.view(-1, seq)[:, : round(ignored * seq)] = -100

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from common import zipf_targets
+
 
 def run(N, V, D, block_rows_list, sub, seed=0, ignored=0.1, keep_v=None, zipf=0.0):
     # dW's first keep_v rows alone (the memory of a V x D float32 sum x 3 at V = 128256; the error is per element)
@@ -26,9 +28,8 @@ def run(N, V, D, block_rows_list, sub, seed=0, ignored=0.1, keep_v=None, zipf=0.
     x = torch.randn(N, D, generator=g).bfloat16()  # (benchmarks/common.py's make_inputs, on the CPU)
     w = (torch.randn(V, D, generator=g) / D**0.5).bfloat16()
     t = torch.randint(0, V, (N,), generator=g)
-    if zipf:  # token frequencies of text: p(k) ~ 1 / (k + 1)^zipf, the frequent ones at random ids
-        ranks = torch.multinomial(1.0 / torch.arange(1, V + 1).double() ** zipf, N, replacement=True, generator=g)
-        t = torch.randperm(V, generator=g)[ranks]
+    if zipf:  # token frequencies of text
+        t = zipf_targets(N, V, zipf, g)
     t[torch.rand(N, generator=g) < ignored] = -100
     counted = int((t != -100).sum())
     exact = torch.zeros(keep_v, D)
