@@ -3,6 +3,8 @@
     pip install transformers matplotlib                      # besides fused_ce: the model, the plot
     python examples/train_causal_lm.py                      # CPU: 40 steps of a small model, about 2 minutes
     python examples/train_causal_lm.py --sft                # the same, the first part of every sequence a prompt
+    python examples/train_causal_lm.py --sft --pretrain-steps 300 --steps 300 --grad-filter-eps 0.000244140625
+                                                             # fine-tuning, exact and with gradient filtering
     python examples/train_causal_lm.py --device cuda --vocab 128256 --seq 4096 --find-max-batch
     torchrun --nproc_per_node 2 examples/train_causal_lm.py --fsdp --device cuda --vocab 128256 --dim 2048 \
         --layers 16 --seq 4096 --batch 2 --steps 20 --find-max-batch   # FSDP2, a ~1.5B Llama, two GPUs
@@ -15,6 +17,11 @@ end a table (tokens/s, peak memory, final loss) and a PNG of both loss curves (w
 `--find-max-batch` also finds the largest batch that fits each way: the memory headroom as a user sees it.
 `--sft` trains as supervised fine-tuning does: each sequence begins with a prompt (30-70% of it, at random)
 whose labels are -100, so the loss counts the response only (fused_ce then computes the response rows only).
+`--pretrain-steps K` first trains the model K steps (fused_ce, other sequences), then each run fine-tunes that
+checkpoint; `--grad-filter-eps EPS` adds a run of fused_ce with its opt-in gradient filtering (`apply(model,
+grad_filter_eps=EPS)`, meant for fine-tuning: docs/usage.md). The table gives each run's mean distance from
+fused_ce's loss per step, and each trained model's loss on 32 other sequences with its difference from
+fused_ce's model there (± twice its standard error over the sequences: what tells a change from noise).
 `--fsdp` (under torchrun) trains data-parallel with FSDP2 as torchtitan shards a Llama: each decoder layer, the
 lm_head apart, then the root (bf16 parameters, float32 gradient reduction on a GPU); --batch is per rank, tokens/s
 the ranks' total, peak memory the largest rank's.
@@ -23,6 +30,7 @@ Results go to --out (examples/results/ by default, ignored by git).
 
 import argparse
 import copy
+import functools
 import math
 import resource
 import sys
@@ -136,7 +144,7 @@ def all_ranks(value, op):
     return t.item()
 
 
-def train(name, model, ids, args, device):
+def train(name, model, ids, args, device, data_seed=0):
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -145,7 +153,7 @@ def train(name, model, ids, args, device):
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, tokens, start = [], 0, time.perf_counter()
-    steps = batches(ids, args.batch, args.seq, args.steps, args.sft, seed=rank)  # each rank its own sequences
+    steps = batches(ids, args.batch, args.seq, args.steps, args.sft, seed=data_seed + rank)  # each rank its own
     bar = tqdm(steps, total=args.steps, desc=name, leave=True, disable=rank != 0)
     for step, (x, labels) in enumerate(bar):
         x, labels = x.to(device), labels.to(device)
@@ -161,6 +169,17 @@ def train(name, model, ids, args, device):
     elapsed = time.perf_counter() - start
     peak = all_ranks(peak_memory_mib(device), dist.ReduceOp.MAX)
     return dict(method=name, losses=losses, tokens_per_s=tokens / elapsed, peak_mib=peak)
+
+
+@torch.no_grad()
+def evaluate(model, ids, args, device, sequences=32):
+    """The trained model's loss on each of `sequences` other sequences (a seed of their own), in eval mode."""
+    model.eval()
+    losses = []
+    for x, labels in batches(ids, 1, args.seq, sequences, args.sft, seed=2000):
+        losses.append(model(input_ids=x.to(device), labels=labels.to(device)).loss.item())
+    model.train()
+    return losses
 
 
 def fits(make, batch, args, device):
@@ -208,10 +227,16 @@ def main():
     parser.add_argument("--steps", type=int, default=40, help="training steps of each run")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--sft", action="store_true", help="prompt-masked labels: the loss counts responses only")
+    parser.add_argument("--pretrain-steps", type=int, default=0, help="steps trained before the runs fine-tune it")
+    parser.add_argument(
+        "--grad-filter-eps", type=float, default=0.0, help="also a run of fused_ce with this gradient filtering"
+    )
     parser.add_argument("--find-max-batch", action="store_true", help="GPU: the largest batch that fits each way")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2, per layer and the lm_head apart")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="table and plot go here")
     args = parser.parse_args()
+    if args.fsdp and args.pretrain_steps:
+        sys.exit("--pretrain-steps runs in one process (not with --fsdp)")
 
     from fused_ce.integrations.transformers import apply
 
@@ -238,6 +263,7 @@ def main():
             f"corpus: {len(ids):,} tokens, BPE vocabulary {learned:,}, model vocabulary {vocab:,}; model dim "
             f"{args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, {device} {dtype}"
             + (", prompt-masked (SFT)" if args.sft else "")
+            + (f", fine-tuning from {args.pretrain_steps} steps" if args.pretrain_steps else "")
             + (f", FSDP2 on {world} ranks (per layer, the lm_head apart)" if args.fsdp else "")
         )
 
@@ -245,44 +271,76 @@ def main():
         model = patch(make_model(vocab, args, device, dtype))
         return shard(model, device) if args.fsdp else model
 
+    heads = [("transformers", lambda m: m), ("fused_ce", apply)]
+    if args.grad_filter_eps:
+        filtered = functools.partial(apply, grad_filter_eps=args.grad_filter_eps)
+        heads.append((f"fused_ce grad_filter_eps={args.grad_filter_eps:g}", filtered))
     if args.fsdp:  # each run builds and shards its own model (the same initialisation)
-        runs = [train(name, build(patch), ids, args, device) for name, patch in (("transformers", lambda m: m),
-                                                                                 ("fused_ce", apply))]  # fmt: skip
+        runs = [train(name, build(patch), ids, args, device) for name, patch in heads]
     else:
         base = make_model(vocab, args, device, dtype)
-        runs = [train("transformers", copy.deepcopy(base), ids, args, device)]
-        runs.append(train("fused_ce", apply(copy.deepcopy(base)), ids, args, device))
+        if args.pretrain_steps:  # (other sequences than the runs': a seed of their own)
+            pretrained = apply(copy.deepcopy(base))
+            steps = argparse.Namespace(**{**vars(args), "steps": args.pretrain_steps, "sft": False})
+            train("pretraining", pretrained, ids, steps, device, data_seed=1000)
+            base.load_state_dict(pretrained.state_dict())
+            del pretrained
+        runs = []
+        for name, patch in heads:
+            model = patch(copy.deepcopy(base))
+            runs.append(train(name, model, ids, args, device))
+            runs[-1]["eval"] = evaluate(model, ids, args, device)
+            del model
         del base
     if args.find_max_batch and device == "cuda":
         torch.cuda.empty_cache()
-        for run, patch in zip(runs, (lambda m: m, apply)):
+        for run, (_, patch) in zip(runs, heads):
             run["max_batch"] = max_batch(lambda p=patch: build(p), args, device)
     if rank != 0:
         return
 
     table = [
-        "| method | tokens/s | peak memory MiB | final loss (mean of last 10) |"
+        "| method | tokens/s | peak memory MiB | final loss (mean of last 10) | mean distance from fused_ce's loss "
+        "| loss on other sequences | its difference from fused_ce's (± 2 SE) |"
         + (" largest batch |" if args.find_max_batch else ""),
-        "|---|---|---|---|" + ("---|" if args.find_max_batch else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if args.find_max_batch else ""),
     ]
+    fused = runs[1]
     for r in runs:
         last = sum(r["losses"][-10:]) / len(r["losses"][-10:])
+        distance = sum(abs(a - b) for a, b in zip(r["losses"], fused["losses"])) / len(fused["losses"])
+        cells = ["-", "-"]  # (FSDP's runs are not evaluated)
+        if "eval" in r:
+            difference = torch.tensor(r["eval"]) - torch.tensor(fused["eval"])
+            spread = 2 * difference.std().item() / math.sqrt(len(difference))
+            cells = [f"{sum(r['eval']) / len(r['eval']):.4f}", f"{difference.mean().item():+.4f} ± {spread:.4f}"]
+        if r is fused:
+            cells[1], distance = "-", None
         extra = f" {r['max_batch']} |" if "max_batch" in r else ""
-        table.append(f"| {r['method']} | {r['tokens_per_s']:,.0f} | {r['peak_mib']:,.0f} | {last:.4f} |{extra}")
+        table.append(
+            f"| {r['method']} | {r['tokens_per_s']:,.0f} | {r['peak_mib']:,.0f} | {last:.4f} | "
+            + ("-" if distance is None else f"{distance:.4f}")
+            + f" | {cells[0]} | {cells[1]} |{extra}"
+        )
     if device == "cpu":
-        table.append("(CPU peak memory is the process's resident peak, shared by both runs: see the GPU figures)")
+        table.append("(CPU peak memory is the process's resident peak, shared by the runs: see the GPU figures)")
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     header = (
         f"{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}; `{' '.join(sys.argv)}`; "
         f"{len(ids):,} tokens, model vocabulary {vocab:,}, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
         f"batch {args.batch}, {args.steps} steps, {dtype}"
         + (", prompt-masked (SFT: 30-70% of each sequence)" if args.sft else "")
+        + (f", fine-tuning from {args.pretrain_steps} steps of fused_ce" if args.pretrain_steps else "")
         + (f", FSDP2 on {world} ranks (batch and peak memory per rank)" if args.fsdp else "")
     )
     print("\n" + header + "\n\n" + "\n".join(table))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"train_causal_lm_{device}{'_sft' if args.sft else ''}{f'_fsdp{world}' if args.fsdp else ''}"
+    name = (
+        f"train_causal_lm_{device}{'_sft' if args.sft else ''}{f'_fsdp{world}' if args.fsdp else ''}"
+        + (f"_ft{args.pretrain_steps}" if args.pretrain_steps else "")
+        + ("_filtered" if args.grad_filter_eps else "")
+    )
     (out / f"{name}.md").write_text(header + "\n\n" + "\n".join(table) + "\n")
     plot(runs, out / f"{name}.png", args)
 

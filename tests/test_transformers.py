@@ -12,6 +12,7 @@ import torch
 from helpers import DEVICES
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+import fused_ce  # noqa: E402
 from fused_ce.integrations.transformers import FAMILIES, ForCausalLMLoss, apply  # noqa: E402
 
 V = 101  # odd: no alignment to lean on
@@ -507,6 +508,35 @@ def test_trainer_label_smoothing_through_the_fused_loss(tmp_path):
     for name, p in want.items():
         difference = (got[name] - p).norm().item()
         assert difference <= 1e-4 * p.norm().item(), (name, difference, p.norm().item())
+
+
+def test_grad_filter_eps_reaches_the_loss():
+    # apply(grad_filter_eps=...): the training loss is the op's with filtering (its loss exact, its gradients those of
+    # the live tiles); at 0.5 every non-target entry here is below it, so the gradients are far from the exact ones
+    ref = tiny_model("llama")
+    ids, labels = batch("cpu")
+    model = apply(copy.deepcopy(ref), grad_filter_eps=0.5)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    hidden = ref.model(input_ids=ids).last_hidden_state
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    loss = fused_ce.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), ref.lm_head.weight, shifted.reshape(-1), grad_filter_eps=0.5
+    )
+    loss.backward()
+    torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=1e-6)
+    want, got = grads(ref), grads(model)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    filtered = got["lm_head.weight"].clone()
+    model.zero_grad()
+    apply(model, grad_filter_eps=0.0)  # (applied again: the setting replaced)
+    model(input_ids=ids, labels=labels).loss.backward()
+    exact = model.lm_head.weight.grad
+    assert (exact - filtered).norm() > 0.1 * exact.norm()
+    with pytest.raises(ValueError, match="apply: grad_filter_eps must be a number in"):
+        apply(tiny_model("llama"), grad_filter_eps=1.0)
 
 
 def test_peft_modules_to_save_head_trains_its_copy():

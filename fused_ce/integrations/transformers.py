@@ -66,6 +66,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     return_token_accuracy=False,
     label_smoothing=0.0,
     lm_head_low_rank=None,
+    grad_filter_eps=0.0,
     **kwargs,
 ):
     """transformers' ``ForCausalLMLoss`` from the hidden states and the lm_head weight (the signature of the
@@ -78,7 +79,8 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     ``(loss, accuracy)``: the fraction of counted tokens whose label is the most likely token (float32, no
     gradient; from the loss's own pass, no host read). ``lm_head_low_rank``: a low-rank term of the logits,
     ``(input [..., T, r], weight [V, r])`` (LoRA on the head with dropout: :func:`fused_ce.linear_cross_entropy`'s
-    ``low_rank_input`` and ``low_rank_weight``).
+    ``low_rank_input`` and ``low_rank_weight``). ``grad_filter_eps``: :func:`fused_ce.linear_cross_entropy`'s
+    opt-in gradient filtering (for fine-tuning, not pretraining: docs/usage.md).
     """
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -100,6 +102,7 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
         logit_scale=logit_scale,
         label_smoothing=label_smoothing,
         return_argmax=return_token_accuracy,
+        grad_filter_eps=grad_filter_eps,
         **low_rank,
     )
     loss, argmax = out if return_token_accuracy else (out, None)
@@ -294,6 +297,7 @@ def _fce_loss(model, *args, **kwargs):
 
     accuracy = getattr(model, _ACCURACY_ATTRIBUTE, None)  # a list where apply(token_accuracy=True) asked
     bound.update(getattr(model, _TRAINER_LOSS, None) or {})  # the Trainer's label smoother's (_install_trainer_hook)
+    bound["grad_filter_eps"] = getattr(model, _GRAD_FILTER_EPS, 0.0)
 
     def loss(head, hidden):  # inside the head's call: its weight whole
         if _lora_of(head) is not None:
@@ -749,10 +753,12 @@ _LOGITS_POLICY = "_fused_ce_logits"
 # While the Trainer's compute_loss runs a label-smoothed step through the fused loss: the loss keywords that give its
 # LabelSmoother's loss (label_smoothing, and shift_labels / num_items_in_batch where the smoother's differ)
 _TRAINER_LOSS = "_fused_ce_trainer_loss"
+# apply(grad_filter_eps=...) on the model (or class)
+_GRAD_FILTER_EPS = "_fused_ce_grad_filter_eps"
 LOGITS_POLICIES = ("eval", "never")
 
 
-def apply(model, *, token_accuracy=False, logits="eval"):
+def apply(model, *, token_accuracy=False, logits="eval", grad_filter_eps=0.0):
     """Switch a causal LM to fused_ce's loss, in place, and return it.
 
     ``model``: an instance (only it is switched), a class (every instance), or a family name from ``FAMILIES``;
@@ -766,22 +772,32 @@ def apply(model, *, token_accuracy=False, logits="eval"):
     fused loss and no logits in evaluation too (``logits`` None). A call's ``skip_logits=True`` (transformers'
     keyword; the Trainer passes it for a ``prediction_loss_only`` evaluation, see ``_install_trainer_hook``) builds
     none, ``skip_logits=False`` builds them.
+    ``grad_filter_eps``: the training loss's opt-in gradient filtering (:func:`fused_ce.linear_cross_entropy`'s; 0,
+    the default: exact gradients). For fine-tuning a trained model, not for pretraining from scratch
+    (docs/usage.md); it does not combine with the Trainer's ``label_smoothing_factor``.
     Raises ``Refused`` (a TypeError) naming what the model's forward does that fused_ce cannot reproduce.
     """
     if logits not in LOGITS_POLICIES:
         raise ValueError(
             f"fused_ce.integrations.transformers.apply: logits must be one of {LOGITS_POLICIES}, got {logits!r}"
         )
+    number = isinstance(grad_filter_eps, (int, float)) and not isinstance(grad_filter_eps, bool)
+    if not number or not 0 <= grad_filter_eps < 1:
+        raise ValueError(
+            "fused_ce.integrations.transformers.apply: grad_filter_eps must be a number in [0, 1), got "
+            f"{grad_filter_eps!r}"
+        )
     if isinstance(model, str):
         model = _model_class(model)
     base = _unwrapped(model)
     if base is not model:  # a PEFT model: its causal LM is switched (LoRA on the lm_head too)
-        apply(base, token_accuracy=token_accuracy, logits=logits)
+        apply(base, token_accuracy=token_accuracy, logits=logits, grad_filter_eps=grad_filter_eps)
         return model
     head = check(model)
     _install_trainer_hook()
     setattr(model, _ASKS_ACCURACY, bool(token_accuracy))
     setattr(model, _LOGITS_POLICY, logits)
+    setattr(model, _GRAD_FILTER_EPS, float(grad_filter_eps))
     cls = model if isinstance(model, type) else type(model)
     if not isinstance(model, type):
         # now, not at the first call: a forward compiled before any eager call then finds the head switched
