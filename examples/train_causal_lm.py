@@ -19,9 +19,10 @@ end a table (tokens/s, peak memory, final loss) and a PNG of both loss curves (w
 whose labels are -100, so the loss counts the response only (fused_ce then computes the response rows only).
 `--pretrain-steps K` first trains the model K steps (fused_ce, other sequences), then each run fine-tunes that
 checkpoint; `--grad-filter-eps EPS` adds a run of fused_ce with its opt-in gradient filtering (`apply(model,
-grad_filter_eps=EPS)`, meant for fine-tuning: docs/usage.md). The table gives each run's mean distance from
-fused_ce's loss per step, and each trained model's loss on 32 other sequences with its difference from
-fused_ce's model there (± twice its standard error over the sequences: what tells a change from noise).
+grad_filter_eps=EPS)`, meant for fine-tuning: docs/usage.md) and, as the noise it is measured against, an exact
+fused_ce run that sees the same number of sequences in another order. The table gives each run's mean distance
+from fused_ce's loss per step, and each trained model's loss on 32 other sequences with its difference from
+fused_ce's model there (± twice the standard error of that difference over the sequences).
 `--fsdp` (under torchrun) trains data-parallel with FSDP2 as torchtitan shards a Llama: each decoder layer, the
 lm_head apart, then the root (bf16 parameters, float32 gradient reduction on a GPU); --batch is per rank, tokens/s
 the ranks' total, peak memory the largest rank's.
@@ -153,7 +154,7 @@ def train(name, model, ids, args, device, data_seed=0):
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, tokens, start = [], 0, time.perf_counter()
-    steps = batches(ids, args.batch, args.seq, args.steps, args.sft, seed=data_seed + rank)  # each rank its own
+    steps = batches(ids, args.batch, args.seq, args.steps, args.sft, seed=1000 * data_seed + rank)  # each rank its own
     bar = tqdm(steps, total=args.steps, desc=name, leave=True, disable=rank != 0)
     for step, (x, labels) in enumerate(bar):
         x, labels = x.to(device), labels.to(device)
@@ -271,12 +272,13 @@ def main():
         model = patch(make_model(vocab, args, device, dtype))
         return shard(model, device) if args.fsdp else model
 
-    heads = [("transformers", lambda m: m), ("fused_ce", apply)]
+    heads = [("transformers", lambda m: m, 0), ("fused_ce", apply, 0)]  # (name, switch, the batches' seed)
     if args.grad_filter_eps:
         filtered = functools.partial(apply, grad_filter_eps=args.grad_filter_eps)
-        heads.append((f"fused_ce grad_filter_eps={args.grad_filter_eps:g}", filtered))
+        heads.append((f"fused_ce grad_filter_eps={args.grad_filter_eps:g}", filtered, 0))
+        heads.append(("fused_ce, the batches in another order", apply, 1))
     if args.fsdp:  # each run builds and shards its own model (the same initialisation)
-        runs = [train(name, build(patch), ids, args, device) for name, patch in heads]
+        runs = [train(name, build(patch), ids, args, device, seed) for name, patch, seed in heads]
     else:
         base = make_model(vocab, args, device, dtype)
         if args.pretrain_steps:  # (other sequences than the runs': a seed of their own)
@@ -286,15 +288,15 @@ def main():
             base.load_state_dict(pretrained.state_dict())
             del pretrained
         runs = []
-        for name, patch in heads:
+        for name, patch, seed in heads:
             model = patch(copy.deepcopy(base))
-            runs.append(train(name, model, ids, args, device))
+            runs.append(train(name, model, ids, args, device, seed))
             runs[-1]["eval"] = evaluate(model, ids, args, device)
             del model
         del base
     if args.find_max_batch and device == "cuda":
         torch.cuda.empty_cache()
-        for run, (_, patch) in zip(runs, heads):
+        for run, (_, patch, _) in zip(runs, heads):
             run["max_batch"] = max_batch(lambda p=patch: build(p), args, device)
     if rank != 0:
         return
