@@ -183,6 +183,23 @@ def evaluate(model, ids, args, device, sequences=32):
     return losses
 
 
+@torch.no_grad()
+def tiles_below(model, ids, args, device, eps, rows=64, cols=128, sequences=32):
+    """The share of the logits' gradient tiles (rows x cols, over the counted rows of the other sequences) whose
+    entries, the targets' aside, are all below eps: the work gradient filtering skips (docs/usage.md)."""
+    model.eval()
+    x, labels = next(batches(ids, sequences, args.seq, 1, args.sft, seed=2000))
+    logits = model(input_ids=x.to(device)).logits[:, :-1].float()
+    targets = labels[:, 1:].to(device)
+    counted = targets != -100
+    p = logits[counted].softmax(-1)
+    p[torch.arange(len(p), device=device), targets[counted]] = 0
+    p = torch.nn.functional.pad(p, (0, -p.shape[1] % cols, 0, -p.shape[0] % rows))
+    live = p.view(p.shape[0] // rows, rows, p.shape[1] // cols, cols).amax((1, 3)) >= eps
+    model.train()
+    return 1 - live.float().mean().item()
+
+
 def fits(make, batch, args, device):
     """Whether one training step at this batch fits in the GPU's memory (on every rank: they run alike, so each
     reaches an out-of-memory error at the same allocation, before the collective that would wait for it)."""
@@ -287,11 +304,14 @@ def main():
             train("pretraining", pretrained, ids, steps, device, data_seed=1000)
             base.load_state_dict(pretrained.state_dict())
             del pretrained
+        start_tiles = tiles_below(base, ids, args, device, args.grad_filter_eps) if args.grad_filter_eps else None
         runs = []
         for name, patch, seed in heads:
             model = patch(copy.deepcopy(base))
             runs.append(train(name, model, ids, args, device, seed))
             runs[-1]["eval"] = evaluate(model, ids, args, device)
+            if args.grad_filter_eps and name == "fused_ce":
+                runs[-1]["tiles_below"] = tiles_below(model, ids, args, device, args.grad_filter_eps)
             del model
         del base
     if args.find_max_batch and device == "cuda":
@@ -323,6 +343,11 @@ def main():
             f"| {r['method']} | {r['tokens_per_s']:,.0f} | {r['peak_mib']:,.0f} | {last:.4f} | "
             + ("-" if distance is None else f"{distance:.4f}")
             + f" | {cells[0]} | {cells[1]} |{extra}"
+        )
+    if args.grad_filter_eps and not args.fsdp:
+        table.append(
+            f"(gradient tiles of 64 x 128 whose entries, the targets' aside, are all below {args.grad_filter_eps:g} on "
+            f"the other sequences: {start_tiles:.1%} before the runs, {runs[1]['tiles_below']:.1%} after fused_ce's)"
         )
     if device == "cpu":
         table.append("(CPU peak memory is the process's resident peak, shared by the runs: see the GPU figures)")
