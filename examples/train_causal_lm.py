@@ -188,14 +188,18 @@ def tiles_below(model, ids, args, device, eps, rows=64, cols=128, sequences=32):
     """The share of the logits' gradient tiles (rows x cols, over the counted rows of the other sequences) whose
     entries, the targets' aside, are all below eps: the work gradient filtering skips (docs/usage.md)."""
     model.eval()
-    x, labels = next(batches(ids, sequences, args.seq, 1, args.sft, seed=2000))
-    logits = model(input_ids=x.to(device)).logits[:, :-1].float()
-    targets = labels[:, 1:].to(device)
-    counted = targets != -100
-    p = logits[counted].softmax(-1)
-    p[torch.arange(len(p), device=device), targets[counted]] = 0
-    p = torch.nn.functional.pad(p, (0, -p.shape[1] % cols, 0, -p.shape[0] % rows))
-    live = p.view(p.shape[0] // rows, rows, p.shape[1] // cols, cols).amax((1, 3)) >= eps
+    row_maxima = []  # each counted row's largest entry in each column tile (a sequence at a time: bounded memory)
+    for x, labels in batches(ids, 1, args.seq, sequences, args.sft, seed=2000):
+        logits = model(input_ids=x.to(device)).logits[0, :-1].float()
+        targets = labels[0, 1:].to(device)
+        counted = targets != -100
+        p = logits[counted].softmax(-1)
+        p[torch.arange(len(p), device=device), targets[counted]] = 0
+        p = torch.nn.functional.pad(p, (0, -p.shape[1] % cols))
+        row_maxima.append(p.view(len(p), -1, cols).amax(2))
+    maxima = torch.cat(row_maxima)
+    maxima = torch.nn.functional.pad(maxima, (0, 0, 0, -len(maxima) % rows))
+    live = maxima.view(-1, rows, maxima.shape[1]).amax(1) >= eps
     model.train()
     return 1 - live.float().mean().item()
 
