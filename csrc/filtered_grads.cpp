@@ -31,22 +31,27 @@ at::Tensor aten_tile_mask(const at::Tensor& block, const at::Tensor& threshold, 
   return padded.view({row_tiles, tile_rows, col_tiles, tile_cols}).amax({1, 3}).contiguous();
 }
 
-// Each target's sum of `rows` (float32 [n, D], rows of the block) over the rows whose target it is, at that target's
-// last row in target order (the others zero), and the targets in that order: added to dW in its dtype, each target's
-// rows round once (not once per row, as an index_add_ of every row in that dtype would), with no host sync and no
-// atomics in the sums (a float64 running sum, differenced per target: deterministic).
-std::pair<at::Tensor, at::Tensor> sums_by_target(const at::Tensor& target, const at::Tensor& rows) {
+// Each target's sum of the rows of x (the block's, [n, D]) times `entry` over the rows whose target it is, at that
+// target's last row in target order (the others zero), and the targets in that order: added to dW in its dtype, each
+// target's rows round once (not once per row, as an index_add_ of every row in that dtype would), with no host sync
+// and no atomics in the sums (a float64 running sum, differenced per target: deterministic). x is only read: its
+// rows are gathered into a tensor of this function's own before they are scaled. Holds n x D x (4 + 8 + 8) bytes
+// at most (the scaled rows, the running sum and its values before each target's first row).
+std::pair<at::Tensor, at::Tensor> sums_by_target(const at::Tensor& target, const at::Tensor& x,
+                                                 const at::Tensor& entry) {
   const auto [sorted, order] = target.sort(/*stable=*/std::optional<bool>(true), 0, /*descending=*/false);
   const int64_t n = target.size(0);
-  const at::Tensor in_order = rows.index_select(0, order).to(at::kDouble);
-  const at::Tensor running = in_order.cumsum(0);
+  at::Tensor in_order = x.index_select(0, order).to(at::kFloat);  // (a new tensor: index_select copies)
+  in_order.mul_(entry.index_select(0, order).unsqueeze(1));
+  at::Tensor running = in_order.cumsum(0, at::kDouble);
+  in_order.reset();
   const at::Tensor position = at::arange(n, target.options());
   const at::Tensor first = sorted.ne(at::constant_pad_nd(sorted, {1, 0}, -1).narrow(0, 0, n));
   const at::Tensor last = sorted.ne(at::constant_pad_nd(sorted, {0, 1}, -1).narrow(0, 1, n));
   const at::Tensor segment_start = std::get<0>(at::where(first, position, at::zeros_like(position)).cummax(0));
-  const at::Tensor before = (running - in_order).index_select(0, segment_start);
-  const at::Tensor sums = at::where(last.unsqueeze(1), running - before, at::zeros({}, running.options()));
-  return {sums.to(at::kFloat), sorted};
+  // the running sum before each row's target's first row: at the row before it (none: 0)
+  running.sub_(running.index_select(0, (segment_start - 1).clamp_min_(0)).mul_(segment_start.gt(0).unsqueeze(1)));
+  return {running.mul_(last.unsqueeze(1)).to(at::kFloat), sorted};
 }
 
 // The live tiles of each row of `mask` first, and their count.
@@ -104,7 +109,7 @@ void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoeffic
     } else {
       gemm_into(gw, kept.t(), x, accumulate_weight, weight_alpha);
     }
-    const auto [sums, targets] = sums_by_target(target, x.to(at::kFloat).mul_(target_entry.unsqueeze(1)));
+    const auto [sums, targets] = sums_by_target(target, x, target_entry);
     gw.index_add_(0, targets, sums.mul_(weight_alpha).to(gw.scalar_type()));
   }
 }

@@ -63,11 +63,6 @@ at::ScalarType accumulate_dtype(at::ScalarType dtype, int64_t blocks) {
   return blocks > 1 ? at::promote_types(dtype, at::kFloat) : dtype;
 }
 
-// The loss's classes: a vocabulary shard's problem (vocab_parallel.h) holds only its own, its targets spread over all.
-int64_t loss_classes(const Problem& p, const LossOptions& o) {
-  return o.vocab_parallel() ? o.vocab_size : p.V;
-}
-
 bool lean_request(const Problem& p, const LossOptions& o) {
   return o.workspace_bytes.has_value() && *o.workspace_bytes < p.V * p.D * int64_t{4};
 }
@@ -79,9 +74,8 @@ bool lean_request(const Problem& p, const LossOptions& o) {
 // than that accumulator is a lean request: the row blocks keep the input dtype, and dW comes from vocabulary
 // slices of its own instead (weight_grad_slice_classes).
 at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::ScalarType dtype, int64_t blocks) {
-  return !sums_weight_grad_in_input_dtype(dtype, blocks, p.N, loss_classes(p, o)) && !lean_request(p, o)
-             ? at::promote_types(dtype, at::kFloat)
-             : dtype;
+  return !sums_weight_grad_in_input_dtype(dtype, blocks) && !lean_request(p, o) ? at::promote_types(dtype, at::kFloat)
+                                                                                : dtype;
 }
 
 // Where the row blocks would sum bfloat16's or float16's dW in that dtype (grad_weight_dtype, as planned) over
@@ -92,7 +86,7 @@ at::ScalarType grad_weight_dtype(const Problem& p, const LossOptions& o, at::Sca
 void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOptions& o, int64_t blocks) {
   const at::ScalarType dtype = p.x.scalar_type();
   if ((dtype != at::kBFloat16 && dtype != at::kHalf) || plan.grad_weight_dtype != dtype || o.policy_loss ||
-      o.vocab_parallel() || sums_weight_grad_in_input_dtype(dtype, blocks, p.N, p.V)) {
+      o.vocab_parallel() || sums_weight_grad_in_input_dtype(dtype, blocks)) {
     return;
   }
   plan.weight_grad_slice_classes = std::clamp<int64_t>(plan.budget_bytes / 2 / (p.D * int64_t{sizeof(float)}),
@@ -131,8 +125,7 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
     // each row's dX from one product over its whole vocabulary row
     plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
     const int64_t float32_dw = p.V * p.D * int64_t{sizeof(float)};
-    if (elem < math_bytes && !unit_float16 &&
-        !sums_weight_grad_in_input_dtype(dtype, cdiv(p.N, plan.block_rows), p.N, loss_classes(p, o)) &&
+    if (elem < math_bytes && !unit_float16 && !sums_weight_grad_in_input_dtype(dtype, cdiv(p.N, plan.block_rows)) &&
         float32_dw <= plan.budget_bytes / 2) {
       plan.grad_weight_dtype = at::kFloat;
       accumulator_bytes = float32_dw;
@@ -301,6 +294,8 @@ void plan_backward_from_logits(Plan& plan, const KernelContext& k) {
   plan.workspace_bytes = plan.kept_rows * k.gathered;  // beside the kept tensor: the kept block's x and dX rows
 }
 
+int64_t rows_summing_dw_in_input_dtype(const Plan& plan, const KernelContext& k, int64_t rows);
+
 void plan_backward(Plan& plan, const KernelContext& k) {
   if (!k.stored) {
     plan.strategy = Strategy::DotTiles;
@@ -308,28 +303,30 @@ void plan_backward(Plan& plan, const KernelContext& k) {
     return;
   }
   // the gradient tiles from cuBLAS logits: row blocks (each row's dX written once) or slices
-  k.backward_tiles_of(plan, k.p, plan.budget_bytes, k.balanced(k.p.N, k.capacity));
+  k.backward_tiles_of(plan, k.p, plan.budget_bytes,
+                      rows_summing_dw_in_input_dtype(plan, k, k.balanced(k.p.N, k.capacity)));
   plan.grad_input_dtype = plan.logits_dtype;
   const int64_t blocks = cdiv(k.p.N, plan.block_rows);
   plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, blocks);
   slice_weight_grad_if_inexact(plan, k.p, k.o, blocks);
 }
 
-// float16's row blocks of the forward with gradient where they can sum dW in float16. More blocks than
-// input_dtype_accumulations sum dW in a float32 V x D accumulator beside the budget (4·V·D bytes; a float32
-// read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B shape, and a rounding pass). Instead
-// the blocks grow to that many where they fit in the budget plus the accumulator's bytes: never more memory than the
-// accumulator's plan, fewer and larger GEMMs, dW's error ~1/8 of torch eager's float16 error (whose logit gradient
-// underflows). Not bf16: there the same trade left dW at 1.56x torch's error at N = 32768 in 4 blocks (1.69x in 8;
-// benchmarks/LOG.md, step 60), past the 1.5x the float32 sum keeps. Not for a lean request (no accumulator to trade),
-// nor where dW sums in float32 whatever the blocks (no bound on dW). Returns `rows` where it does not apply.
-int64_t rows_summing_float16_dw_in_float16(const Plan& plan, const KernelContext& k, int64_t rows) {
+// The row blocks of the forward with gradient and of the backward where they can sum dW in the input dtype (bf16;
+// float16 at its dW scale).
+// More blocks than input_dtype_accumulations sum dW in a float32 V x D accumulator beside the budget (4·V·D bytes;
+// a float32 read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B shape, and a rounding
+// pass). Instead the blocks grow to that many where they fit in the budget plus the accumulator's bytes: never
+// more memory than the accumulator's plan, fewer and larger GEMMs, dW within its bound in the input dtype
+// (strategies.h: bf16 2 blocks, float16 4, whose error is ~1/8 of torch eager's float16 error, where the logit
+// gradient underflows). Not for a lean request (no accumulator to trade), nor where dW sums in float32 whatever the
+// blocks (float16 without a dW scale). Returns `rows` where it does not apply.
+int64_t rows_summing_dw_in_input_dtype(const Plan& plan, const KernelContext& k, int64_t rows) {
   const Problem& p = k.p;
-  const int64_t limit = input_dtype_accumulations(at::kHalf);
-  if (cdiv(p.N, rows) <= limit || lean_request(p, k.o) || !returns_scaled_float16_weight_grad(p, k.o, plan.pass) ||
-      float16_grad_weight_scale(p, k.o) <= 0.0) {
-    return rows;
-  }
+  const at::ScalarType dtype = p.x.scalar_type();
+  const bool float16_scaled =
+      returns_scaled_float16_weight_grad(p, k.o, plan.pass) && float16_grad_weight_scale(p, k.o) > 0.0;
+  const int64_t limit = input_dtype_accumulations(dtype);
+  if (cdiv(p.N, rows) <= limit || lean_request(p, k.o) || !(dtype == at::kBFloat16 || float16_scaled)) return rows;
   // (a capacity in whole GEMM tiles, so that balancing does not add a block)
   const int64_t grown = k.balanced(p.N, cdiv(cdiv(p.N, limit), k.arch.gemm_tile_rows) * k.arch.gemm_tile_rows);
   const bool fits = grown * k.row_bytes <= plan.budget_bytes + p.V * p.D * int64_t{sizeof(float)};
@@ -338,7 +335,7 @@ int64_t rows_summing_float16_dw_in_float16(const Plan& plan, const KernelContext
 
 void plan_forward_with_grad(Plan& plan, const KernelContext& k) {
   const Problem& p = k.p;
-  const int64_t rows = rows_summing_float16_dw_in_float16(plan, k, k.balanced(p.N, k.capacity));
+  const int64_t rows = rows_summing_dw_in_input_dtype(plan, k, k.balanced(p.N, k.capacity));
   // (2-D tiles are not taught float16's scales, nor selected rows.)
   const int64_t cols = k.half || k.selected ? 0 : vocab_tile_cols(p, k.arch, plan.budget_bytes, rows);
   plan.rank_one_smoothing = k.rank_one;

@@ -14,24 +14,19 @@ namespace fused_ce {
 // whole workspace stays under 0.5 GiB.
 constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
 constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
-// Row blocks whose dW sums may be added in the input dtype: at D = 4096, V = 128256
-// in bf16, 8 such additions leave dW's error 1.35x torch's single rounding, 16 leave 2x;
-// float16's grow faster (1.33x after 3 additions, 1.57x after 6: benchmarks/results/2026-12-01/
-// accuracy_per_token_s10_first.md), so it adds 4 at most.
+// Row blocks whose dW sums may be added in the input dtype. Each addition rounds a class's running sum at its full
+// size, and how that error compares with torch's single rounding depends on how a class's sum builds up across the
+// blocks, which no count of rows or classes bounds: with text's token frequencies (Zipf 1.0) at V = 32000, 6 bf16
+// additions left dW at 1.61x torch eager's error, a unigram prior in the logits 1.55x, 6 to 8 additions up to 2.0x
+// (benchmarks/LOG.md, step 63). bf16 adds 2 blocks at most (the first block's sum rounded once more: ~1.2x at most
+// on every distribution tried, within the 1.5x the float32 sum keeps); float16, whose mantissa has 3 more bits and
+// whose torch eager error is its underflowing logit gradient's, 4 (1.33x after 3 additions, 1.57x after 6:
+// benchmarks/results/2026-12-01/accuracy_per_token_s10_first.md).
 inline int64_t input_dtype_accumulations(at::ScalarType dtype) {
-  return dtype == at::kHalf ? 4 : 8;
+  return dtype == at::kHalf ? 4 : 2;
 }
-// Whether dW may sum over `blocks` row blocks of `rows` rows in all in the input dtype. bf16's error grows with the
-// rows summed against the classes as well as with the blocks: a row adds its target's x to its class's dW row, so
-// where each class holds several targets its running sum is rounded, at full size, once per block (one H100/H200:
-// 8 blocks at 0.128 rows a class 1.35x torch's single rounding; 4 at 0.255 1.56x, 8 at 0.255 1.69x; emulated at
-// V = 32000: 4 blocks at 1.02 rows a class 1.56x, 8 at 2.05 2.0x; benchmarks/LOG.md, step 62). So bf16 sums in
-// bf16 over 2 blocks at most (~1.2x), or up to input_dtype_accumulations where rows <= kInputDtypeRowsPerClass x
-// classes; float16 up to its input_dtype_accumulations.
-constexpr double kInputDtypeRowsPerClass = 0.13;
-inline bool sums_weight_grad_in_input_dtype(at::ScalarType dtype, int64_t blocks, int64_t rows, int64_t classes) {
-  if (blocks > input_dtype_accumulations(dtype)) return false;
-  return dtype == at::kHalf || blocks <= 2 || static_cast<double>(rows) <= kInputDtypeRowsPerClass * classes;
+inline bool sums_weight_grad_in_input_dtype(at::ScalarType dtype, int64_t blocks) {
+  return blocks <= input_dtype_accumulations(dtype);
 }
 // Vocabulary slices of the backward (backward_tiles): at most this many, their dX summed in float32.
 constexpr int64_t kMaxSlices = 8;

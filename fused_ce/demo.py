@@ -99,12 +99,16 @@ def run_one(name, n, d, v, device, dtype, repeat):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(prog="python -m fused_ce.demo", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to run both losses (default: cuda where there is a GPU, else cpu)",
+    )
     parser.add_argument("--n", type=int, default=None, help="tokens (default 16384 on GPU, 2048 on CPU)")
     parser.add_argument("--d", type=int, default=None, help="hidden size (default 4096 on GPU, 512 on CPU)")
     parser.add_argument("--v", type=int, default=None, help="vocabulary (default 128256 on GPU, 32000 on CPU)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls of each loss, median shown (default 3)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     gpu = args.device == "cuda"

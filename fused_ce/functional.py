@@ -45,7 +45,23 @@ def _integer(function, name, value):
     return operator.index(value)
 
 
-_CONVERT = {"float": float, "bool": bool, "str": str}
+def _real(function, name, value):
+    """A float option from a real number (an int, a numpy or 0-dim torch scalar too): a str is a TypeError, as in
+    ``F.cross_entropy`` (never parsed)."""
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+        raise TypeError(f"{function}: {name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _flag(function, name, value):
+    """A bool option from a bool (or a numpy bool, an int: their truth): a str is a TypeError (``"False"`` is
+    true)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{function}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+_CONVERT = {"float": _real, "bool": _flag, "str": lambda function, name, value: str(value)}
 
 
 def _option_arguments(op, caller, shard=None, **values):
@@ -62,7 +78,7 @@ def _option_arguments(op, caller, shard=None, **values):
         if name == "ignore_index" and value is None:
             value = -100  # (as torch)
         if value is not None:
-            value = _integer(caller, name, value) if kind == "int" else _CONVERT[kind](value)
+            value = (_integer if kind == "int" else _CONVERT[kind])(caller, name, value)
         arguments[name] = value
     if values:  # (a keyword of the front that the op does not declare)
         raise TypeError(f"{caller}: {op} takes no option {sorted(values)}")
@@ -243,10 +259,11 @@ def linear_cross_entropy(
             is held (``V`` float32 values on CPU). With ``reduction='none'`` and a gradient on CUDA, the
             forward keeps the logits of as many rows as the budget holds for the backward (held in between);
             a budget with room for every row's keeps them all: 6NDV flops instead of 8NDV
-            (``plan(...).keeps_logits``, ``plan(...).kept_rows``). Past 8 row blocks (4 in float16) the default
-            also holds a float32 ``V x D`` dW sum beside the budget; an explicit budget under that sum's size bounds
-            memory instead, dW then from vocabulary slices (8NDV, slower; docs/usage.md). :func:`plan` shows what a
-            budget buys.
+            (``plan(...).keeps_logits``, ``plan(...).kept_rows``). Past 2 row blocks (4 in float16) dW is summed
+            in float32: on CUDA the blocks grow to 2 (4) where they fit in the budget plus a float32 ``V x D`` dW sum's
+            bytes, else that sum is held beside the budget; an explicit budget under that sum's size bounds memory
+            instead, dW then from vocabulary slices (8NDV, slower; docs/usage.md). :func:`plan` shows what a budget
+            buys.
         grad_filter_eps: opt-in gradient filtering for a scalar loss ('mean' or 'sum'; 0, the default, is exact):
             the products of the logits' gradient with ``linear_weight`` (dX) and ``input`` (dW) skip each tile of
             it (64 rows of a row block x 128 classes) whose entries are all below ``grad_filter_eps`` times the

@@ -6,7 +6,7 @@ import math
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from .functional import LossKeywords, linear_cross_entropy
+from .functional import _OPTIONS, LossKeywords, _real, linear_cross_entropy
 
 # The keywords of fused_ce's own (those torch's module does not take), kept as attributes too, with
 # linear_cross_entropy's defaults: a new option of the functional front reaches the module by itself.
@@ -16,6 +16,7 @@ _EXTRA_DEFAULTS = {
     for name, p in inspect.signature(linear_cross_entropy).parameters.items()
     if p.kind is p.KEYWORD_ONLY and name not in _TORCH_KEYWORDS
 }
+_FLOAT_KEYWORDS = {name for name, kind, _ in _OPTIONS["_linear_cross_entropy"] if kind == "float"}
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -49,6 +50,9 @@ class LinearCrossEntropyLoss(nn.Module):
         # with a process_group, num_classes is this rank's shard and the class weights are global
         if weight is not None and tuple(weight.shape) != (num_classes,) and keywords.get("process_group") is None:
             raise RuntimeError(f"expected weight shape to be {(num_classes,)}, got {tuple(weight.shape)}")
+        for name in _FLOAT_KEYWORDS & set(keywords):  # (a str is refused here, not at the first forward)
+            if keywords[name] is not None:
+                _real("LinearCrossEntropyLoss", name, keywords[name])
         label_smoothing = keywords.get("label_smoothing", 0.0)
         if label_smoothing < 0 or label_smoothing > 1.0:
             raise RuntimeError(f"expected label_smoothing to be in range [0, 1], got {label_smoothing}")

@@ -421,6 +421,49 @@ def test_non_integer_ignore_index_is_a_type_error_as_in_torch(function, value):
         call()
 
 
+@pytest.mark.parametrize(
+    "function, option",
+    [
+        ("linear_cross_entropy", "grad_filter_eps"),
+        ("linear_cross_entropy", "label_smoothing"),
+        ("linear_cross_entropy", "z_loss"),
+        ("linear_log_probs", "temperature"),
+        ("linear_policy_loss", "kl_coef"),
+        ("linear_distillation_loss", "beta"),
+        ("LinearCrossEntropyLoss", "grad_filter_eps"),
+        ("LinearCrossEntropyLoss", "label_smoothing"),
+    ],
+)
+def test_a_string_for_a_float_option_is_a_type_error(function, option):
+    # (torch's F.cross_entropy refuses label_smoothing="0.1" too; float("0.001") would parse it)
+    x, w, t, _ = make_problem(8, 6, 10)
+    with pytest.raises(TypeError):
+        F.cross_entropy(x @ w.T, t, label_smoothing="0.1")
+    value = {option: "0.001"}
+    call = {
+        "linear_cross_entropy": lambda: fused_ce.linear_cross_entropy(x, w, t, **value),
+        "linear_log_probs": lambda: fused_ce.linear_log_probs(x, w, t, **value),
+        "linear_policy_loss": lambda: fused_ce.linear_policy_loss(x, w, t, torch.ones(8), **value),
+        "linear_distillation_loss": lambda: fused_ce.linear_distillation_loss(x, w, x, w, t, **value),
+        "LinearCrossEntropyLoss": lambda: fused_ce.LinearCrossEntropyLoss(6, 10, **value),
+    }[function]
+    with pytest.raises(TypeError, match=f"{function}: {option} must be a number, got str '0.001'"):
+        call()
+    # numbers of other types are taken: numpy's, a 0-dim tensor, an int
+    np = pytest.importorskip("numpy")
+    if function == "linear_cross_entropy":
+        want = fused_ce.linear_cross_entropy(x, w, t, **{option: 0.001})
+        for number in (np.float64(0.001), torch.tensor(0.001, dtype=torch.float64)):
+            torch.testing.assert_close(fused_ce.linear_cross_entropy(x, w, t, **{option: number}), want)
+        fused_ce.linear_cross_entropy(x, w, t, **{option: 0})
+
+
+def test_a_string_for_a_bool_option_is_a_type_error():
+    x, w, t, _ = make_problem(8, 6, 10)
+    with pytest.raises(TypeError, match="linear_log_probs: return_entropy must be a bool, got str 'False'"):
+        fused_ce.linear_log_probs(x, w, t, return_entropy="False")
+
+
 def test_integer_like_ignore_index_is_taken_as_in_torch():
     np = pytest.importorskip("numpy")
     x, w, t, _ = make_problem(8, 6, 10, ignore_frac=0.0)  # (no -100: ignore_index is 3 here)

@@ -271,7 +271,12 @@ def test_some_rows_kept_the_others_in_vocabulary_tiles_within_the_budget(dtype):
     out, got = step()
     grads = sum(g.numel() * g.element_size() for g in got)
     peak = torch.cuda.max_memory_allocated() - base - grads
-    assert peak < 1.1 * workspace, (peak, workspace)
+    # bf16's dW over more than 2 row blocks (the kept block and the others' blocks) sums in a float32 V x D
+    # accumulator, which the docs place beside workspace_bytes where the budget holds it (docs/usage.md, "Accuracy
+    # against memory"; a smaller explicit budget takes vocabulary slices for dW instead)
+    accumulator = v * d * 4 if backward.grad_weight_dtype == torch.float32 and dtype != torch.float32 else 0
+    assert dtype == torch.float32 or accumulator, backward  # (3+ blocks: bf16's dW is not summed in bf16)
+    assert peak < 1.1 * workspace + accumulator, (peak, workspace, accumulator)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(out.log_probs, lp64) < tolerance and rel_err(out.entropy, entropy64) < tolerance
     assert max(rel_err(g, e) for g, e in zip(got, want)) < tolerance
