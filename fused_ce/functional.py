@@ -234,7 +234,7 @@ def linear_cross_entropy(
     multiplied back (fused_ce.plan(...).counted_rows_only says where that applies).
 
     Args:
-        input: ``[..., D]`` float32, bfloat16 or float16.
+        input: ``[..., D]`` float32, bfloat16 or float16 (float64 too, for checks: a float64 loss).
         linear_weight: ``[V, D]``, same dtype as ``input``; or ``[V, d1, ..., dK, D]`` for a K-dimensional loss
             (as torch's: ``input`` ``[N, D]``, ``target`` ``[N, d1, ..., dK]``, a softmax over the V classes at
             each of the ``d1 * ... * dK`` positions).

@@ -47,6 +47,20 @@ def test_fp32_matches_reference(device, reduction, bias):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_float64_gives_a_float64_loss_as_torch(device):
+    # (documented: float64 inputs for checks; float64 arithmetic, loss and lse, on ATen's products)
+    x, w, t, b = make_problem(40, 16, 70, dtype=torch.float64, device=device, bias=True)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, lse = fused_ce.linear_cross_entropy(xl, wl, t, linear_bias=b, z_loss=1e-3, return_lse=True)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = reference_loss(xr, wr, t, linear_bias=b, z_loss=1e-3)
+    assert loss.dtype == lse.dtype == torch.float64
+    assert rel_err(loss, want) < 1e-12
+    for got, ref in zip(torch.autograd.grad(loss, (xl, wl)), torch.autograd.grad(want, (xr, wr)), strict=True):
+        assert got.dtype == torch.float64 and rel_err(got, ref) < 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp32_odd_sizes_and_small_workspace(device):
     # D and V not multiples of 16, several row/column blocks in the backward.
     compare(device, torch.float32, (29, 37, 211), "mean", 1e-5, bias=True, workspace_bytes=4096)
