@@ -6,4 +6,5 @@
 - ``fused_ce.integrations.verl``: verl's fused forward, ``fused_kernel_options.impl_backend=fused_ce`` (loaded by
   verl's plugin entry point).
 - ``fused_ce.integrations.torchtitan``: a loss for torchtitan's config (``FusedCrossEntropyLoss.Config()``).
+- ``fused_ce.integrations.megatron``: a Megatron-Core GPTModel's LM loss (``apply(model)``).
 """
