@@ -1,7 +1,7 @@
 """Train a small Llama-architecture model from scratch, with and without fused_ce, and compare.
 
     pip install transformers matplotlib                      # besides fused_ce: the model, the plot
-    python examples/train_causal_lm.py                      # CPU: 40 steps of a small model, about 2 minutes
+    python examples/train_causal_lm.py                      # CPU: 40 steps of a small model (README: 27 s, 2 cores)
     python examples/train_causal_lm.py --sft                # the same, the first part of every sequence a prompt
     python examples/train_causal_lm.py --sft --pretrain-steps 300 --steps 300 --grad-filter-eps 0.000244140625
                                                              # fine-tuning, exact and with gradient filtering
