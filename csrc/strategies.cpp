@@ -312,14 +312,13 @@ void plan_backward(Plan& plan, const KernelContext& k) {
 }
 
 // The row blocks of the forward with gradient and of the backward where they can sum dW in the input dtype (bf16;
-// float16 at its dW scale).
-// More blocks than input_dtype_accumulations sum dW in a float32 V x D accumulator beside the budget (4·V·D bytes;
-// a float32 read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B shape, and a rounding
-// pass). Instead the blocks grow to that many where they fit in the budget plus the accumulator's bytes: never
-// more memory than the accumulator's plan, fewer and larger GEMMs, dW within its bound in the input dtype
-// (strategies.h: bf16 2 blocks, float16 4, whose error is ~1/8 of torch eager's float16 error, where the logit
-// gradient underflows). Not for a lean request (no accumulator to trade), nor where dW sums in float32 whatever the
-// blocks (float16 without a dW scale). Returns `rows` where it does not apply.
+// float16 at its dW scale). More blocks than input_dtype_accumulations sum dW in a float32 V x D accumulator beside
+// the budget (4·V·D bytes; a float32 read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B
+// shape, and a rounding pass). Instead the blocks grow to that many where they fit in the budget plus the
+// accumulator's bytes: never more memory than the accumulator's plan, fewer and larger GEMMs, dW within its bound
+// in the input dtype (strategies.h: bf16 2 blocks, float16 4, whose error is ~1/8 of torch eager's float16 error,
+// where the logit gradient underflows). Not for a lean request (no accumulator to trade), nor where dW sums in
+// float32 whatever the blocks (float16 without a dW scale). Returns `rows` where it does not apply.
 int64_t rows_summing_dw_in_input_dtype(const Plan& plan, const KernelContext& k, int64_t rows) {
   const Problem& p = k.p;
   const at::ScalarType dtype = p.x.scalar_type();

@@ -16,10 +16,10 @@ constexpr int64_t kDefaultCudaWorkspace = int64_t{504} << 20;
 constexpr int64_t kDefaultCpuWorkspace = int64_t{32} << 20;
 // Row blocks whose dW sums may be added in the input dtype. Each addition rounds a class's running sum at its full
 // size, and how that error compares with torch's single rounding depends on how a class's sum builds up across the
-// blocks, which no count of rows or classes bounds: with text's token frequencies (Zipf 1.0) at V = 32000, 6 bf16
-// additions left dW at 1.61x torch eager's error, a unigram prior in the logits 1.55x, 6 to 8 additions up to 2.0x
-// (benchmarks/LOG.md, step 63). bf16 adds 2 blocks at most (the first block's sum rounded once more: ~1.2x at most
-// on every distribution tried, within the 1.5x the float32 sum keeps); float16, whose mantissa has 3 more bits and
+// blocks, which no count of rows or classes bounds: 6 bf16 additions left dW at 1.26-1.74x torch eager's error on
+// uniform, Zipf 1.0 (text's frequencies), unigram-prior and std-2 logits, 8 at the Llama-3-8B shape 1.41x
+// (benchmarks/LOG.md, step 63). bf16 adds 2 blocks at most (the first block's sum rounded once more: 1.03-1.21x on
+// those distributions, within the 1.5x the float32 sum keeps); float16, whose mantissa has 3 more bits and
 // whose torch eager error is its underflowing logit gradient's, 4 (1.33x after 3 additions, 1.57x after 6:
 // benchmarks/results/2026-12-01/accuracy_per_token_s10_first.md).
 inline int64_t input_dtype_accumulations(at::ScalarType dtype) {
