@@ -6,8 +6,8 @@
 // list names its options in its schema's order. From them come the schema text of every op (ops.cpp), the C++
 // parameters and arguments of the ops' functions (FUSED_CE_PARAMS / _ARGS), LossOptions' fields, its parse from
 // a boxed call's values (_plan's), and the Python front's arguments
-// (fused_ce/functional.py builds them from the op's schema and fails at import when a keyword of its own names
-// no option of it).
+// (fused_ce/_options.py builds them from the op's schema and fails at import when an option of it has no keyword in
+// its front).
 //
 // Where a new option goes:
 //   - a loss option every op takes (a logit transform like softcap, a loss term like z_loss): a

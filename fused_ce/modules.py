@@ -6,7 +6,8 @@ import math
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from .functional import _OPTIONS, LossKeywords, _real, linear_cross_entropy
+from ._options import _OPTIONS, _real
+from .functional import LossKeywords, linear_cross_entropy
 
 # The keywords of fused_ce's own (those torch's module does not take), kept as attributes too, with
 # linear_cross_entropy's defaults: a new option of the functional front reaches the module by itself.
