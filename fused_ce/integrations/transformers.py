@@ -52,6 +52,21 @@ FAMILIES = {
 }
 
 
+# The state apply leaves on a model (or class), read by the loss, the forward and the Trainer's patches.
+# apply(token_accuracy=True) sets the first on the model (or class); a call with labels then holds a list in the
+# second while it runs, into which the loss puts the call's token accuracy.
+_ASKS_ACCURACY = "_fused_ce_token_accuracy"
+_ACCURACY_ATTRIBUTE = "_fused_ce_token_accuracies"
+# apply(logits=...) on the model (or class): "eval" or "never"
+_LOGITS_POLICY = "_fused_ce_logits"
+# While the Trainer's compute_loss runs a label-smoothed step through the fused loss: the loss keywords that give its
+# LabelSmoother's loss (label_smoothing, and shift_labels / num_items_in_batch where the smoother's differ)
+_TRAINER_LOSS = "_fused_ce_trainer_loss"
+# apply(grad_filter_eps=...) on the model (or class)
+_GRAD_FILTER_EPS = "_fused_ce_grad_filter_eps"
+LOGITS_POLICIES = ("eval", "never")
+
+
 def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel mapping use)
     hidden_states,
     lm_head_weight,
@@ -82,10 +97,8 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
     ``low_rank_input`` and ``low_rank_weight``). ``grad_filter_eps``: :func:`fused_ce.linear_cross_entropy`'s
     opt-in gradient filtering (for fine-tuning, not pretraining: docs/usage.md).
     """
-    if shift_labels is None:
-        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden_states.reshape(-1, lm_head_weight.shape[1])
-    target = shift_labels.reshape(-1).to(hidden.device)
+    target = _shifted(labels, shift_labels, ignore_index).reshape(-1).to(hidden.device)
     low_rank = {}
     if lm_head_low_rank is not None:
         low_rank_input, low_rank_weight = lm_head_low_rank
@@ -112,9 +125,21 @@ def ForCausalLMLoss(  # noqa: N802  (the name transformers' loss hook and kernel
         loss = loss / num_items_in_batch
     if not return_token_accuracy:
         return loss
+    return loss, _accuracy(argmax, target, ignore_index)
+
+
+def _shifted(labels, shift_labels, ignore_index):
+    """The label each position predicts: ``shift_labels``, or the next position's label (the last position's
+    ignored), as transformers' loss shifts them."""
+    if shift_labels is not None:
+        return shift_labels
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _accuracy(predicted, target, ignore_index):
+    """The fraction of counted targets predicted (float32, no gradient: 0 where none is counted)."""
     counted = target != ignore_index
-    accuracy = ((argmax == target) & counted).sum().float() / counted.sum().clamp(min=1).float()
-    return loss, accuracy
+    return ((predicted == target) & counted).sum().float() / counted.sum().clamp(min=1).float()
 
 
 class Refused(TypeError):
@@ -663,12 +688,8 @@ def _builds_logits(model, skip_logits):
 def _token_accuracy(logits, labels, shift_labels=None, ignore_index=-100):
     """The fraction of counted tokens whose label is the most likely one, from built logits (as the loss's own
     pass gives it in training)."""
-    if shift_labels is None:
-        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    target = shift_labels.to(logits.device)
-    counted = target != ignore_index
-    hits = (logits.argmax(-1) == target) & counted
-    return hits.sum().float() / counted.sum().clamp(min=1).float()
+    target = _shifted(labels, shift_labels, ignore_index).to(logits.device)
+    return _accuracy(logits.argmax(-1), target, ignore_index)
 
 
 class _ModelForward:
@@ -742,20 +763,6 @@ def _check_head_construction(cls, head):
         f"fused_ce: {cls.__name__}.__init__ does not build {head} as an nn.Linear (a head module's own forward "
         "would be skipped); use the model unpatched"
     )
-
-
-# apply(token_accuracy=True) sets the first on the model (or class); a call with labels then holds a list in the
-# second while it runs, into which the loss puts the call's token accuracy.
-_ASKS_ACCURACY = "_fused_ce_token_accuracy"
-_ACCURACY_ATTRIBUTE = "_fused_ce_token_accuracies"
-# apply(logits=...) on the model (or class): "eval" or "never"
-_LOGITS_POLICY = "_fused_ce_logits"
-# While the Trainer's compute_loss runs a label-smoothed step through the fused loss: the loss keywords that give its
-# LabelSmoother's loss (label_smoothing, and shift_labels / num_items_in_batch where the smoother's differ)
-_TRAINER_LOSS = "_fused_ce_trainer_loss"
-# apply(grad_filter_eps=...) on the model (or class)
-_GRAD_FILTER_EPS = "_fused_ce_grad_filter_eps"
-LOGITS_POLICIES = ("eval", "never")
 
 
 def apply(model, *, token_accuracy=False, logits="eval", grad_filter_eps=0.0):
