@@ -294,23 +294,6 @@ void plan_backward_from_logits(Plan& plan, const KernelContext& k) {
   plan.workspace_bytes = plan.kept_rows * k.gathered;  // beside the kept tensor: the kept block's x and dX rows
 }
 
-int64_t rows_summing_dw_in_input_dtype(const Plan& plan, const KernelContext& k, int64_t rows);
-
-void plan_backward(Plan& plan, const KernelContext& k) {
-  if (!k.stored) {
-    plan.strategy = Strategy::DotTiles;
-    plan_dot_tile_grads(plan, k.p);
-    return;
-  }
-  // the gradient tiles from cuBLAS logits: row blocks (each row's dX written once) or slices
-  k.backward_tiles_of(plan, k.p, plan.budget_bytes,
-                      rows_summing_dw_in_input_dtype(plan, k, k.balanced(k.p.N, k.capacity)));
-  plan.grad_input_dtype = plan.logits_dtype;
-  const int64_t blocks = cdiv(k.p.N, plan.block_rows);
-  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, blocks);
-  slice_weight_grad_if_inexact(plan, k.p, k.o, blocks);
-}
-
 // The row blocks of the forward with gradient and of the backward where they can sum dW in the input dtype (bf16;
 // float16 at its dW scale). More blocks than input_dtype_accumulations sum dW in a float32 V x D accumulator beside
 // the budget (4·V·D bytes; a float32 read-modify-write of dW per block, ~0.5 ms a 2048-row block at the Llama-3-8B
@@ -330,6 +313,21 @@ int64_t rows_summing_dw_in_input_dtype(const Plan& plan, const KernelContext& k,
   const int64_t grown = k.balanced(p.N, cdiv(cdiv(p.N, limit), k.arch.gemm_tile_rows) * k.arch.gemm_tile_rows);
   const bool fits = grown * k.row_bytes <= plan.budget_bytes + p.V * p.D * int64_t{sizeof(float)};
   return fits && cdiv(p.N, grown) <= limit ? grown : rows;
+}
+
+void plan_backward(Plan& plan, const KernelContext& k) {
+  if (!k.stored) {
+    plan.strategy = Strategy::DotTiles;
+    plan_dot_tile_grads(plan, k.p);
+    return;
+  }
+  // the gradient tiles from cuBLAS logits: row blocks (each row's dX written once) or slices
+  k.backward_tiles_of(plan, k.p, plan.budget_bytes,
+                      rows_summing_dw_in_input_dtype(plan, k, k.balanced(k.p.N, k.capacity)));
+  plan.grad_input_dtype = plan.logits_dtype;
+  const int64_t blocks = cdiv(k.p.N, plan.block_rows);
+  plan.grad_weight_dtype = grad_weight_dtype(k.p, k.o, plan.logits_dtype, blocks);
+  slice_weight_grad_if_inexact(plan, k.p, k.o, blocks);
 }
 
 void plan_forward_with_grad(Plan& plan, const KernelContext& k) {

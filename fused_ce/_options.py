@@ -58,7 +58,7 @@ def _flag(function, name, value):
     return bool(value)
 
 
-_CONVERT = {"float": _real, "bool": _flag, "str": lambda function, name, value: str(value)}
+_CONVERT = {"int": _integer, "float": _real, "bool": _flag, "str": lambda function, name, value: str(value)}
 
 
 def _option_arguments(op, caller, shard=None, **values):
@@ -75,7 +75,7 @@ def _option_arguments(op, caller, shard=None, **values):
         if name == "ignore_index" and value is None:
             value = -100  # (as torch)
         if value is not None:
-            value = (_integer if kind == "int" else _CONVERT[kind])(caller, name, value)
+            value = _CONVERT[kind](caller, name, value)
         arguments[name] = value
     if values:  # (a keyword of the front that the op does not declare)
         raise TypeError(f"{caller}: {op} takes no option {sorted(values)}")

@@ -36,10 +36,10 @@ _STATE = "_fused_ce_megatron"  # the instance attribute apply leaves (idempotenc
 
 class HeadInputs:
     """What the patched output layer returns in place of logits: its input (gathered along the sequence where it is
-    sequence parallel), its weight shard, its bias (None without one) and its tensor-parallel group."""
+    sequence parallel), its weight shard and its bias (None without one)."""
 
-    def __init__(self, hidden, weight, bias, group):
-        self.hidden, self.weight, self.bias, self.group = hidden, weight, bias, group
+    def __init__(self, hidden, weight, bias):
+        self.hidden, self.weight, self.bias = hidden, weight, bias
 
 
 def apply(model):
@@ -103,6 +103,7 @@ def _apply_to(gpt):
     if getattr(gpt, _STATE, None) is not None or not gpt.post_process:
         return  # (applied already; a pipeline stage without the output layer has no loss)
     _refuse_unsupported(gpt)
+    group = _tp_group(gpt)  # (None where the vocabulary is not split)
     state = {"labels": False}
     setattr(gpt, _STATE, state)
     forward, layer = gpt.forward, gpt.output_layer
@@ -125,12 +126,11 @@ def _apply_to(gpt):
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         weight = layer.weight if weight is None else weight
-        group = _tp_group(gpt)
         if layer.sequence_parallel and group is not None:
             # as the layer's own gather, but its backward a slice: fused_ce sums dX over the group
             input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False, group=group)
         bias = None if layer.skip_bias_add else layer.bias
-        return HeadInputs(input_, weight, bias, group), (layer.bias if layer.skip_bias_add else None)
+        return HeadInputs(input_, weight, bias), (layer.bias if layer.skip_bias_add else None)
 
     @functools.wraps(loss)
     def fused_language_model_loss(labels, logits):
@@ -143,7 +143,7 @@ def _apply_to(gpt):
             labels.transpose(0, 1),
             linear_bias=logits.bias,
             reduction="none",
-            process_group=logits.group,
+            process_group=group,
         )
         return per_token.transpose(0, 1).contiguous()
 
