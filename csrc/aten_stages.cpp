@@ -10,12 +10,13 @@ namespace fused_ce {
 namespace {
 
 // Transformed logits z for all rows of p and columns [v_begin, v_end), in the loss dtype: the product (and
-// the bias) in the input dtype, as torch's F.linear, so that the weight is never converted (plan_aten_chunks);
-// float16's at kFloat16LogitsScale, finite beyond float16's range.
-at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end) {
+// the bias) in `product_dtype` (Plan::logits_product_dtype: the input dtype, as torch's F.linear, so that the
+// weight is never converted whole, or float32: logits_into); float16's at kFloat16LogitsScale, finite beyond
+// float16's range.
+at::Tensor logits(const Problem& p, int64_t v_begin, int64_t v_end, at::ScalarType product_dtype) {
   const Problem slice = p.cols(v_begin, v_end);
   const double scale = p.x.scalar_type() == at::kHalf ? kFloat16LogitsScale : 1.0;
-  at::Tensor product = at::empty({p.N, slice.V}, p.x.options());
+  at::Tensor product = at::empty({p.N, slice.V}, p.x.options().dtype(product_dtype));
   logits_into(slice, product, scale);
   at::Tensor z = product.to(loss_dtype(p));
   if (p.logit_scale / scale != 1.0) z.mul_(p.logit_scale / scale);
@@ -117,23 +118,25 @@ at::Tensor grad_from_logits(at::Tensor z, const Problem& p, const GradCoefficien
 
 }  // namespace
 
-RowStats aten_row_stats(const Problem& p, const StatsRequest& request, int64_t block_rows) {
+RowStats aten_row_stats(const Problem& p, const StatsRequest& request, int64_t block_rows,
+                        at::ScalarType product_dtype) {
   const RowStats s = RowStats::allocate(p, request);
   for (int64_t r0 = 0; r0 < p.N; r0 += block_rows) {
     const int64_t r1 = std::min(p.N, r0 + block_rows);
     const Problem chunk = p.block(r0, r1);
-    s.block(r0, r1).copy_(stats_of(chunk, logits(chunk, 0, p.V), request));
+    s.block(r0, r1).copy_(stats_of(chunk, logits(chunk, 0, p.V, product_dtype), request));
   }
   return s;
 }
 
-at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end) {
-  return grad_from_logits(logits(p, v_begin, v_end), p, c, v_begin, v_end);
+at::Tensor aten_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begin, int64_t v_end,
+                           at::ScalarType product_dtype) {
+  return grad_from_logits(logits(p, v_begin, v_end, product_dtype), p, c, v_begin, v_end);
 }
 
 std::pair<RowStats, at::Tensor> aten_stats_and_logit_grad(const Problem& p, const GradCoefficients& c,
-                                                          const StatsRequest& request) {
-  at::Tensor z = logits(p, 0, p.V);
+                                                          const StatsRequest& request, at::ScalarType product_dtype) {
+  at::Tensor z = logits(p, 0, p.V, product_dtype);
   RowStats s = linear_stats_of(p, z, request);
   const at::Tensor dcap = softcap_slope(p, z);
   // z becomes exp(z - max) in place; its row sums give the lse, and

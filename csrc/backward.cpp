@@ -174,7 +174,7 @@ Grads recomputed_grads(const Problem& p, const LossOptions& o, const Plan& plan,
         block = block_buffer.narrow(0, 0, r1 - r0).narrow(1, 0, v1 - v0);
         cuda_logit_grad(pr, cr, v0, v1, block);
       } else {
-        block = aten_logit_grad(pr, cr, v0, v1).to(gemm_dtype);
+        block = aten_logit_grad(pr, cr, v0, v1, plan.logits_product_dtype).to(gemm_dtype);
       }
       if (need_x) gemm_into(gx, block, p.w.narrow(0, v0, v1 - v0), v0 > 0);
       if (need_w) gemm_into(g.weight.narrow(0, v0, v1 - v0), block.t(), x, r0 > 0);

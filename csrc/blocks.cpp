@@ -52,11 +52,47 @@ bool float32_accumulating_addmm(const at::Tensor& out, const at::Tensor& a, cons
   return supported;
 }
 
+// out (+)= alpha * a @ b formed in `wide` (float32) and rounded once into out's narrower dtype: the CPU's
+// float32 products of bfloat16 and float16 inputs (Plan::logits_product_dtype). Each converted slice is no
+// larger than an input-dtype copy of a (the gradient block, whose place the plan holds for it): where b is to be
+// converted (the weight), slices of the inner dimension summed into a float32 copy of out (a row block's dX);
+// else slices of out's rows (dW's classes).
+void wide_product_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha,
+                       at::ScalarType wide) {
+  const int64_t places = a.numel() * static_cast<int64_t>(c10::elementSize(out.scalar_type())) /
+                         static_cast<int64_t>(c10::elementSize(wide));  // wide elements in that place
+  const at::Tensor a_wide = a.to(wide);
+  if (b.scalar_type() != wide) {
+    const int64_t k = a.size(1);
+    const int64_t step = std::clamp<int64_t>(places / std::max<int64_t>(b.size(1), 1), 1, std::max<int64_t>(k, 1));
+    // (what out held, where accumulating, converted into the sum: out.add_(sum) would convert both operands)
+    at::Tensor sum = accumulate ? out.to(wide) : at::zeros(out.sizes(), out.options().dtype(wide));
+    for (int64_t k0 = 0; k0 < k; k0 += step) {
+      const int64_t n = std::min(step, k - k0);
+      sum.addmm_(a_wide.narrow(1, k0, n), b.narrow(0, k0, n).to(wide), /*beta=*/1, alpha);
+    }
+    out.copy_(sum);
+    return;
+  }
+  const int64_t m = out.size(0);
+  const int64_t step = std::clamp<int64_t>(places / std::max<int64_t>(out.size(1), 1), 1, std::max<int64_t>(m, 1));
+  for (int64_t m0 = 0; m0 < m; m0 += step) {
+    const int64_t n = std::min(step, m - m0);
+    at::Tensor rows = out.narrow(0, m0, n);
+    at::Tensor part = accumulate ? rows.to(wide) : at::empty({n, out.size(1)}, out.options().dtype(wide));
+    at::addmm_out(part, part, a_wide.narrow(0, m0, n), b, /*beta=*/accumulate ? 1 : 0, alpha);
+    rows.copy_(part);
+  }
+}
+
 }  // namespace
 
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate, double alpha) {
   const auto dtype = out.scalar_type();
-  if (a.scalar_type() == dtype && b.scalar_type() == dtype) {
+  const auto wide = at::promote_types(a.scalar_type(), b.scalar_type());
+  if (!out.is_cuda() && wide != dtype && at::promote_types(wide, dtype) == wide) {
+    wide_product_into(std::move(out), a, b, accumulate, alpha, wide);
+  } else if (a.scalar_type() == dtype && b.scalar_type() == dtype) {
     if (accumulate) {
       out.addmm_(a, b, /*beta=*/1, alpha);
     } else if (alpha == 1) {

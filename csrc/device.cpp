@@ -1,6 +1,9 @@
 #include "device.h"
 
+#include <ATen/cpu/Utils.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -42,9 +45,29 @@ const ArchConstants& arch_constants(int arch) {
   return *fallback;
 }
 
+// DeviceFacts::float32_products of a CPU for bfloat16 or float16 inputs. Other architectures than x86-64 keep
+// the input dtype's products (their bf16 paths go through oneDNN or the Arm libraries, not measured here).
+bool cpu_float32_products(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  static const char* forced = std::getenv("FUSED_CE_CPU_FLOAT32_PRODUCTS");
+  if (forced != nullptr && *forced != '\0') return std::strcmp(forced, "0") != 0;
+  static const auto capabilities = at::cpu::get_cpu_capabilities();
+  const auto has = [&](const char* name) {
+    const auto it = capabilities.find(name);
+    return it != capabilities.end() && it->second.isBool() && it->second.toBool();
+  };
+  const auto architecture = capabilities.find("architecture");
+  if (architecture == capabilities.end() || !architecture->second.isString() ||
+      architecture->second.toStringRef() != "x86_64") {
+    return false;
+  }
+  return dtype == at::kBFloat16 ? !has("avx512_bf16") && !has("amx_bf16") : !has("avx512_fp16") && !has("amx_fp16");
+}
+
 DeviceFacts read_facts(const at::Device& device, at::ScalarType dtype) {
   DeviceFacts facts;
   facts.cuda = device.is_cuda();
+  facts.float32_products = device.is_cpu() && cpu_float32_products(dtype);
   facts.arch = facts.cuda ? device_arch(device.index()) : 0;
   facts.constants = arch_constants(facts.arch);
   const char* name = cuda_kernel_dtype(dtype);

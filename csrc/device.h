@@ -21,6 +21,11 @@ struct DeviceFacts {
   // The architecture's plan constants (configs.ARCH_CONSTANTS, embedded by the build): its entry, else the
   // default's (arch 0).
   ArchConstants constants{};
+  // A CPU without dot-product instructions in the input dtype (bfloat16: x86 without AVX512-BF16 or AMX-BF16;
+  // float16: without AVX512-FP16 or AMX-FP16), where torch's products in it run up to ~80x slower than float32's:
+  // the ATen path forms them in float32 instead (Plan::logits_product_dtype). FUSED_CE_CPU_FLOAT32_PRODUCTS=1 or
+  // 0, read once, overrides the detection.
+  bool float32_products = false;
 
   // Whether the per-row bookkeeping of `rows` rows runs in kernels (Plan::rows_on_device).
   bool row_kernels(int64_t rows) const { return kernels && rows > 0; }

@@ -31,11 +31,20 @@ at::Tensor log_probs(const LossOptions& o, const at::Tensor& z) {
   return (z - m).sub_(log_sum);
 }
 
-// The logits of rows x of a head in acc (a product in the input dtype: torch's F.linear rounding), after the
-// head's transform; with `chain`, d logits / d product (undefined where it is the constant logit_scale).
+// The logits of rows x of a head in acc (a product in the input dtype, torch's F.linear rounding, or in float32:
+// Plan::logits_product_dtype), after the head's transform; with `chain`, d logits / d product (undefined where
+// it is the constant logit_scale).
 at::Tensor logits_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double scale,
-                     const std::optional<double>& softcap, at::ScalarType acc, at::Tensor* chain = nullptr) {
-  return transformed((b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t())).to(acc), scale, softcap, chain);
+                     const std::optional<double>& softcap, at::ScalarType acc, at::ScalarType product_dtype,
+                     at::Tensor* chain = nullptr) {
+  at::Tensor product;
+  if (product_dtype != x.scalar_type()) {
+    product = at::empty({x.size(0), w.size(0)}, x.options().dtype(product_dtype));
+    linear_into(product, x, w, b);
+  } else {
+    product = b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
+  }
+  return transformed(product.to(acc), scale, softcap, chain);
 }
 
 struct Block {
@@ -44,12 +53,13 @@ struct Block {
 };
 
 // One block of rows (pr: the block's problem, its rows gathered).
-Block distill_block(const Problem& pr, const LossOptions& o, bool with_grad) {
+Block distill_block(const Problem& pr, const LossOptions& o, bool with_grad, at::ScalarType product_dtype) {
   const double T = o.temperature, w = o.hard_label_weight, b = o.beta;
   const Teacher& teacher = pr.teacher;
   const at::ScalarType acc = loss_dtype(pr);
   at::Tensor chain;
-  const at::Tensor z1 = logits_of(pr.x, pr.w, pr.bias, o.logit_scale, o.softcap, acc, with_grad ? &chain : nullptr);
+  const at::Tensor z1 =
+      logits_of(pr.x, pr.w, pr.bias, o.logit_scale, o.softcap, acc, product_dtype, with_grad ? &chain : nullptr);
   const at::Tensor s = log_probs(o, z1 / T);
   const at::Tensor ps = s.exp();
   at::Tensor divergence, grad;  // grad: of the divergence with respect to the student's logits / T
@@ -60,8 +70,10 @@ Block distill_block(const Problem& pr, const LossOptions& o, bool with_grad) {
     divergence = q.neg_entropy - row_sum(o, q_owned * s.gather(1, local));
     if (with_grad) grad = (ps * q.mass).scatter_add_(1, local, -q_owned);
   } else {
-    const at::Tensor t =
-        log_probs(o, logits_of(teacher.x, teacher.w, teacher.bias, teacher.logit_scale, teacher.softcap, acc) / T);
+    const at::Tensor t = log_probs(
+        o, logits_of(teacher.x, teacher.w, teacher.bias, teacher.logit_scale, teacher.softcap, acc,
+                     teacher.x.scalar_type() == pr.x.scalar_type() ? product_dtype : teacher.x.scalar_type()) /
+               T);
     const at::Tensor pt = t.exp();
     switch (teacher.divergence) {
       case Divergence::ForwardKL:  // sum p_t (t - s): gradient p_s - p_t
@@ -120,7 +132,7 @@ DistillationRows distillation_rows(const Problem& p, const LossOptions& o, const
   for (int64_t begin = 0; begin < p.N; begin += plan.block_rows) {
     const int64_t end = std::min(p.N, begin + plan.block_rows);
     const Problem pr = p.block(begin, end);
-    Block r = distill_block(pr, o, with_grad);
+    Block r = distill_block(pr, o, with_grad, plan.logits_product_dtype);
     out.loss.slice(0, begin, end).copy_(r.loss);
     if (o.return_entropy) out.entropy.slice(0, begin, end).copy_(r.entropy);
     if (!with_grad) continue;
@@ -130,14 +142,17 @@ DistillationRows distillation_rows(const Problem& p, const LossOptions& o, const
     } else if (scale->uniform != 1.0) {
       grad.mul_(scale->uniform);
     }
-    const at::Tensor g_in = grad.to(p.x.scalar_type());  // the products in the input dtype, as the forward's
+    // the products in the forward's dtype: the input dtype, or float32 (gemm_into converts the weight's slices)
+    const at::ScalarType product_dtype = plan.logits_product_dtype;
+    const at::Tensor g_in = grad.to(product_dtype);
     if (g.input.defined()) {
       at::Tensor gx_b = input_grad_rows(p, g.input, gx_buffer, begin, end);
-      at::mm_out(gx_b, g_in, pr.w);
+      gemm_into(gx_b, g_in, pr.w, /*accumulate=*/false);
       scatter_input_grad(p, g.input, gx_b, begin);
     }
     if (g.weight.defined()) {  // in place: never a [V, D] product beside dW (g: the float32 gradient, unrounded)
-      gemm_into(g.weight, g.weight.scalar_type() == g_in.scalar_type() ? g_in.t() : grad.t(), pr.x, begin > 0);
+      gemm_into(g.weight, g.weight.scalar_type() == g_in.scalar_type() ? g_in.t() : grad.t(), pr.x.to(product_dtype),
+                begin > 0);
     }
     if (g.bias.defined()) g.bias.add_(grad.sum(0));
   }

@@ -30,6 +30,7 @@ void plan_distillation(Plan& plan, const Problem& p, const LossOptions& o) {
   // ATen: a block's temporaries are about eight [rows, V] tensors in the loss dtype
   plan.strategy = Strategy::AtenChunks;
   plan.logits_dtype = loss_dtype(p);
+  if (plan.device.float32_products) plan.logits_product_dtype = plan.logits_dtype;
   const int64_t row_bytes = 8 * static_cast<int64_t>(c10::elementSize(plan.logits_dtype)) * std::max<int64_t>(p.V, 1);
   const auto rows_within = [&](int64_t bytes) { return std::clamp<int64_t>(bytes / row_bytes, 1, rows); };
   plan.block_rows = rows_within(plan.budget_bytes);

@@ -17,7 +17,7 @@ RowStats forward_stats(const Problem& p, const LossOptions& o, const Plan& plan,
   switch (plan.strategy) {
     case Strategy::StoredLogits: return stats_from_stored_logits(p, o, plan, plan.block_rows, kept);
     case Strategy::DotTiles: return cuda_row_stats(p.block(0, p.N), request);  // (selected rows gathered)
-    case Strategy::AtenChunks: return aten_row_stats(p, request, plan.block_rows);
+    case Strategy::AtenChunks: return aten_row_stats(p, request, plan.block_rows, plan.logits_product_dtype);
     case Strategy::VocabTiles: break;
   }
   TORCH_CHECK(false, "fused_ce: the forward has no executor for strategy ", strategy_name(plan.strategy));

@@ -78,16 +78,16 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
     } else if (o.vocab_parallel() || c.needs_stats()) {  // the stats (over all shards) before the gradient: the
                                                          // logits twice (CPU)
-      const RowStats part = aten_row_stats(pr, request, r1 - r0);
+      const RowStats part = aten_row_stats(pr, request, r1 - r0, plan.logits_product_dtype);
       block_stats.copy_(part);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
       cr = c.block(r0, r1, block_stats);
       cr.lse = block_stats.lse;
-      block = aten_logit_grad(pr, cr, 0, p.V).to(gemm_dtype);
+      block = aten_logit_grad(pr, cr, 0, p.V, plan.logits_product_dtype).to(gemm_dtype);
     } else {
       RowStats part;
       cr = c.fixed.block(r0, r1);
-      std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, request);
+      std::tie(part, block) = aten_stats_and_logit_grad(pr, cr, request, plan.logits_product_dtype);
       block = block.to(gemm_dtype);
       block_stats.copy_(part);
     }

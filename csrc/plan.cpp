@@ -22,6 +22,7 @@ Plan plan_rows(const Problem& p, const LossOptions& o, const DeviceFacts& device
     if (pass == Pass::ForwardKeepingLogits) plan.kept_rows = kept_rows >= 0 ? std::min(kept_rows, p.N) : p.N;
     if (pass == Pass::BackwardFromLogits) plan.kept_rows = std::clamp<int64_t>(kept_rows, 0, p.N);
     plan.counted_rows_only = selected;
+    plan.logits_product_dtype = p.x.scalar_type();
     plan.budget_bytes = o.workspace_bytes.value_or(device.cuda ? kDefaultCudaWorkspace : kDefaultCpuWorkspace);
     return plan;
   };
@@ -173,6 +174,7 @@ std::vector<std::pair<const char*, c10::IValue>> plan_fields(const Plan& plan) {
       {"tile_cols", plan.tile_cols},
       {"stats_block_rows", plan.stats_block_rows},
       {"logits_dtype", dtype(plan.logits_dtype)},
+      {"logits_product_dtype", dtype(plan.logits_product_dtype)},
       {"logits_scale", plan.logits_scale},
       {"grad_input_dtype", dtype(plan.grad_input_dtype)},
       {"grad_weight_dtype", dtype(plan.grad_weight_dtype)},

@@ -55,6 +55,11 @@ struct Plan {
   int64_t tile_cols = 0;                     // vocabulary columns per block (V: whole rows)
   int64_t stats_block_rows = 0;              // VocabTiles: rows per block of its stats pass; else 0
   at::ScalarType logits_dtype = at::kFloat;  // of the logit blocks and the GEMMs on them (ATen: the GEMMs')
+  // The dtype the logits' products are formed in: the input dtype (as torch's F.linear), but float32 on the ATen
+  // path of a CPU without dot-product instructions in bfloat16 or float16 (DeviceFacts::float32_products), the
+  // weight converted a vocabulary slice at a time within the workspace, and then every product of the gradient
+  // in float32 too (logits_dtype), rounded once into its input-dtype result.
+  at::ScalarType logits_product_dtype = at::kFloat;
   // The stored logits are the logits times this (cuBLAS's alpha): 2^-8 for float16, so that they overflow only
   // past 65504 * 2^8 = 1.7e7 instead of 65504 (relative precision unchanged; absolute error below 2^-16).
   // The kernels that read them multiply by its inverse along with logit_scale. 1 elsewhere.

@@ -1,5 +1,6 @@
 #include "problem.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -142,7 +143,34 @@ at::ScalarType loss_dtype(const Problem& p) {
   return p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+void linear_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, double scale) {
+  const auto dtype = out.scalar_type();
+  const int64_t V = w.size(0), D = w.size(1);
+  const at::Tensor x_wide = x.to(dtype);
+  const int64_t elem = c10::elementSize(x.scalar_type()), wide = c10::elementSize(dtype);
+  const int64_t classes =
+      std::clamp<int64_t>(out.numel() * elem / std::max<int64_t>(D * wide, 1), 1, std::max<int64_t>(V, 1));
+  for (int64_t v0 = 0; v0 < V; v0 += classes) {
+    const int64_t n = std::min(classes, V - v0);
+    at::Tensor part = out.narrow(1, v0, n);
+    const at::Tensor w_wide = w.narrow(0, v0, n).to(dtype);
+    if (bias.defined()) {
+      at::addmm_out(part, bias.narrow(0, v0, n).to(dtype), x_wide, w_wide.t(), /*beta=*/scale, /*alpha=*/scale);
+    } else {
+      at::addmm_out(part, part, x_wide, w_wide.t(), /*beta=*/0, /*alpha=*/scale);  // beta 0: part is not read
+    }
+  }
+}
+
 void logits_into(const Problem& p, at::Tensor& out, double scale) {
+  if (out.scalar_type() != p.x.scalar_type()) {
+    linear_into(out, p.x, p.w, p.bias, scale);
+    if (p.low_rank.defined()) {
+      const auto dtype = out.scalar_type();
+      at::addmm_out(out, out, p.low_rank.input.to(dtype), p.low_rank.weight.to(dtype).t(), /*beta=*/1, scale);
+    }
+    return;
+  }
   if (p.bias.defined()) {
     at::addmm_out(out, p.bias, p.x, p.w.t(), /*beta=*/scale, /*alpha=*/scale);
   } else if (scale != 1.0) {

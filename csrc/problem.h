@@ -135,8 +135,13 @@ struct GradCoefficients {
 // logits up to 65504 / scale stay finite, beyond float16's own range.
 constexpr double kFloat16LogitsScale = 1.0 / 256;
 
-// The raw logits (x @ w.T + b) * scale of p's rows into `out` ([N, V], in the input dtype: one GEMM).
+// The raw logits (x @ w.T + b) * scale of p's rows into `out` ([N, V]): in the input dtype one GEMM; in a wider
+// dtype (Plan::logits_product_dtype) one GEMM per vocabulary slice of the weight converted to it, each slice no
+// larger than an input-dtype copy of `out` (the place the plan holds for it).
 void logits_into(const Problem& p, at::Tensor& out, double scale = 1.0);
+// (x @ w.T + bias) * scale into `out` of a wider dtype than x's, w converted a vocabulary slice at a time, each
+// slice no larger than an x-dtype copy of `out` (logits_into's wider case; a distillation's heads).
+void linear_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, double scale = 1.0);
 
 // The dtype of the loss and of the ATen stages' arithmetic: float64 for float64 inputs, else float32.
 at::ScalarType loss_dtype(const Problem& p);

@@ -96,12 +96,15 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
 }  // namespace
 
 // ATen: whole vocabulary rows, as many rows as fit (at least one: a budget below one row of logits gets one row).
-// The products run in the input dtype, as torch's F.linear (the weight is never converted: V x D beside it
-// would dwarf any budget), the softmax in the loss dtype; a block holds its rows' logits in the loss dtype, the
-// product's (or the gradient's) copy in the input dtype beside them, and one more loss-dtype temporary where
-// the softcap's slope or the entropy needs one (aten_stages.cpp). dW of bfloat16 or float16 sums its row blocks
-// in its own dtype up to input_dtype_accumulations blocks, beyond in a float32 accumulator where that fits in
-// half the budget (the blocks take the rest), else dW comes from vocabulary slices (weight_grad_slice_classes):
+// The products run in the input dtype, as torch's F.linear (the weight is never converted whole: V x D beside
+// it would dwarf any budget), the softmax in the loss dtype; a block holds its rows' logits in the loss dtype,
+// the product's (or the gradient's) copy in the input dtype beside them, and one more loss-dtype temporary where
+// the softcap's slope or the entropy needs one (aten_stages.cpp). On a CPU without dot-product instructions in
+// bfloat16 or float16 (DeviceFacts::float32_products) every product runs in float32 instead: the input-dtype
+// copy's place holds a vocabulary slice of the weight converted to float32 (gemm_into, logits_into), and each row
+// adds its x and dX in float32; the gradients keep the input dtype's plan. dW of bfloat16 or float16 sums its row
+// blocks in its own dtype up to input_dtype_accumulations blocks, beyond in a float32 accumulator where that fits
+// in half the budget (the blocks take the rest), else dW comes from vocabulary slices (weight_grad_slice_classes):
 // everything within workspace_bytes. float16's gradients at unit scale (the forward with gradient: loss.h) stay
 // float32 through their products, the weight converted a slice at a time (gemm_into): float16 would lose them to
 // underflow.
@@ -109,12 +112,15 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
   plan.strategy = Strategy::AtenChunks;
   const at::ScalarType dtype = p.x.scalar_type(), math = loss_dtype(p);
   const bool unit_float16 = dtype == at::kHalf && plan.pass == Pass::ForwardWithGrad;
-  plan.logits_dtype = unit_float16 ? math : dtype;  // the dtype of the products' operands
+  const bool float32_products = plan.device.float32_products;
+  plan.logits_dtype = unit_float16 || float32_products ? math : dtype;  // the dtype of the products' operands
+  if (float32_products) plan.logits_product_dtype = math;
   if (returns_scaled_float16_weight_grad(p, o, plan.pass)) plan.grad_weight_scale = 0.0;  // (from dW's largest element)
   const int64_t math_bytes = c10::elementSize(math), elem = c10::elementSize(dtype);
   const bool temporary = p.softcap.has_value() || o.return_entropy;
+  const int64_t float32_rows = float32_products ? p.D * math_bytes * (plan.pass == Pass::Forward ? 1 : 2) : 0;
   const int64_t row_bytes = p.V * (math_bytes + (elem < math_bytes ? elem : 0) + (temporary ? math_bytes : 0)) +
-                            gathered_row_bytes(p, plan.pass, selected);
+                            float32_rows + gathered_row_bytes(p, plan.pass, selected);
   const auto rows_within = [&](int64_t bytes) {
     return std::clamp<int64_t>(bytes / row_bytes, 1, std::max<int64_t>(p.N, 1));
   };
@@ -123,7 +129,7 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
   int64_t accumulator_bytes = 0;
   if (plan.pass != Pass::Forward) {
     // each row's dX from one product over its whole vocabulary row
-    plan.grad_input_dtype = plan.grad_weight_dtype = plan.logits_dtype;
+    plan.grad_input_dtype = plan.grad_weight_dtype = unit_float16 ? math : dtype;
     const int64_t float32_dw = p.V * p.D * int64_t{sizeof(float)};
     if (elem < math_bytes && !unit_float16 && !sums_weight_grad_in_input_dtype(dtype, cdiv(p.N, plan.block_rows)) &&
         float32_dw <= plan.budget_bytes / 2) {

@@ -288,8 +288,10 @@ def test_bf16_weight_gradient_within_torchs_error_whatever_the_targets(device, t
     N, D, V = 1024, 32, 16000
     x, w, t = text_like_problem(N, D, V, targets, device)
     counted = int((t != -100).sum())
-    # a block's row on the CPU: float32 and bf16 logits, its gathered x and dX rows; past 2 blocks dW's float32 sum
-    budget = -(-counted // blocks) * (V * 6 + 4 * D) + (V * D * 4 if blocks > 2 else 0)
+    # a block's row on the CPU: float32 and bf16 logits, its gathered x and dX rows (and their float32 copies where
+    # the products are float32: Plan::logits_product_dtype); past 2 blocks dW's float32 sum
+    float32_rows = 8 * D if fused_ce.plan(x, w, t).logits_product_dtype == torch.float32 else 0
+    budget = -(-counted // blocks) * (V * 6 + 4 * D + float32_rows) + (V * D * 4 if blocks > 2 else 0)
     wl = w.clone().requires_grad_()
     plan = fused_ce.plan(x, wl, t, workspace_bytes=budget)
     planned = -(-plan.rows // plan.block_rows)

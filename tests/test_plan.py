@@ -30,9 +30,14 @@ def test_cpu_takes_aten_chunks_within_budget(dtype, pass_):
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     assert plan.pass_ == pass_ and plan.strategy == "aten_chunks"
     assert plan.budget_bytes == 32 * MiB and not plan.rows_on_device and not plan.rank_one_smoothing
-    assert plan.logits_dtype == dtype  # the products in the input dtype, as torch's F.linear
-    # a row's logits in the loss dtype, and bf16's product beside them
+    # the products in the input dtype, as torch's F.linear, but float32 on a CPU without bf16 dot-product
+    # instructions (tests/test_cpu_float32_products.py): x and dX in float32 too
+    wide = plan.logits_product_dtype == torch.float32 and dtype == torch.bfloat16
+    assert plan.logits_product_dtype == (torch.float32 if wide else dtype)
+    assert plan.logits_dtype == (torch.float32 if wide else dtype)
+    # a row's logits in the loss dtype, and bf16's product (or a float32 slice of the weight) beside them
     row_bytes = V * (compute.itemsize + (dtype.itemsize if dtype.itemsize < compute.itemsize else 0))
+    row_bytes += (4 * D if pass_ == "forward" else 8 * D) if wide else 0
     # bf16's dW past 2 row blocks: summed in a float32 accumulator within the budget (the blocks take the rest)
     accumulator = V * D * 4 if dtype == torch.bfloat16 and pass_ != "forward" else 0
     assert plan.block_rows == min(N, (32 * MiB - accumulator) // row_bytes) and plan.tile_cols == V
@@ -203,19 +208,24 @@ def test_rank_one_smoothing_needs_class_weights_and_no_softcap(softcap):
 
 
 @pytest.mark.parametrize(
-    "rows, budget, blocks, dw_dtype",
+    "rows, blocks, dw_dtype",
     [
-        (600, 3700 << 10, 2, torch.bfloat16),  # 2 blocks: bf16
-        (240, 1000 << 10, 3, torch.float32),  # 3 blocks at 0.12 rows a class: float32 (whatever the targets)
-        (600, 2500 << 10, 3, torch.float32),  # 3 blocks: float32
-        (2000, 1000 << 10, 25, torch.float32),  # past 8 blocks: float32
+        (600, 2, torch.bfloat16),  # 2 blocks: bf16
+        (240, 3, torch.float32),  # 3 blocks at 0.12 rows a class: float32 (whatever the targets)
+        (600, 3, torch.float32),  # 3 blocks: float32
+        (2000, 25, torch.float32),  # past 8 blocks: float32
     ],
 )
-def test_bf16_weight_gradient_sums_in_bf16_over_two_blocks_at_most(rows, budget, blocks, dw_dtype):
+def test_bf16_weight_gradient_sums_in_bf16_over_two_blocks_at_most(rows, blocks, dw_dtype):
     # bf16's running dW sum is rounded once a block at its classes' size so far, which depends on how the targets
     # fall over the blocks: past 2 blocks it sums in a float32 accumulator where that fits in half the budget
     # (strategies.h, sums_weight_grad_in_input_dtype)
-    x, w, t = expanded(rows, 8, 2000, torch.bfloat16, grad=True)
+    D, V = 8, 2000
+    x, w, t = expanded(rows, D, V, torch.bfloat16, grad=True)
+    # a row: float32 logits and their bf16 copy (and x and dX in float32 where the products are: Plan's
+    # logits_product_dtype); past 2 blocks the float32 accumulator beside them
+    row = V * 6 + (8 * D if fused_ce.plan(x, w, t).logits_product_dtype == torch.float32 else 0)
+    budget = -(-rows // blocks) * row + (V * D * 4 if blocks > 2 else 0)
     plan = fused_ce.plan(x, w, t, workspace_bytes=budget)
     assert (plan.strategy, -(-rows // plan.block_rows), plan.grad_weight_dtype) == ("aten_chunks", blocks, dw_dtype)
 
