@@ -271,8 +271,8 @@ at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOpt
   const auto f32 = p.x.options().dtype(at::kFloat);
   p.target = at::empty({p.N}, target.options());
   p.target_weight = at::empty({p.N}, f32);
-  p.totals = at::empty({3}, f32);
-  const at::Tensor counts = at::empty({2}, p.x.options().dtype(at::kInt));
+  p.totals = at::empty({PrepareRowsArgs::Totals::kSize}, f32);
+  const at::Tensor counts = at::empty({PrepareRowsArgs::Counts::kSize}, p.x.options().dtype(at::kInt));
   const at::Tensor coef = unit != nullptr ? at::empty({4, p.N}, f32) : at::Tensor();
   const auto row = [&](int i) { return coef.defined() ? coef[i] : at::Tensor(); };
   if (order != nullptr) *order = at::empty({p.N}, target.options());

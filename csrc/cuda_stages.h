@@ -15,9 +15,9 @@ namespace fused_ce {
 // contiguous), sets p.target (ignored rows -1), p.target_weight and p.totals,
 // with `unit` the gradient coefficients of a scalar loss (mean or sum) for an
 // upstream gradient of 1, and with `order` the rows in the executors' order (the
-// counted ones, then the ignored ones: targets.h). Returns [the count of class
-// indices outside [0, V) that are not ignore_index, the count of counted rows]
-// ([2] int32 on the device; reading it syncs).
+// counted ones, then the ignored ones: targets.h). Returns its counts
+// (PrepareRowsArgs::Counts: the class indices outside [0, V) that are not
+// ignore_index, the counted rows; int32 on the device; reading it syncs).
 at::Tensor cuda_prepare_rows(Problem& p, const at::Tensor& target, const LossOptions& o, GradCoefficients* unit,
                              at::Tensor* order);
 // Epilogue (assemble_loss.py): the loss from the row stats of a problem that

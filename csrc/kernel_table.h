@@ -4,6 +4,8 @@
 #pragma once
 #include <cstddef>
 
+#include "arch_constants.h"
+
 namespace fused_ce {
 
 struct KernelVariant {
@@ -26,20 +28,7 @@ struct KernelVariant {
 extern const KernelVariant kKernelVariants[];
 extern const int kNumKernelVariants;
 
-// The plan's per-architecture constants (fused_ce/kernels/configs.py,
-// ARCH_CONSTANTS; plan.cpp): measured rates and thresholds. arch 0 is the
-// entry for architectures without one of their own.
-struct ArchConstants {
-  int arch;
-  double memory_bytes_per_s;  // sustained device-memory bandwidth of the passes over stored logits
-  double gemm_flops_per_s;    // sustained GEMM rate at our shapes
-  int min_stored_rows;        // fewer rows per block and the forward's cuBLAS blocks lose to tl.dot tiles
-  int gemm_tile_rows;         // cuBLAS's row tile: blocks in whole tiles waste none
-  int vocab_tile_rows;        // rows of a VocabTiles tile: enough for the dW GEMM to stay compute-bound
-  int filter_tile_rows;       // grad_filter_eps's tiles of a block's gradient: rows
-  int filter_tile_cols;       // ... and classes
-};
-
+// The plan's per-architecture constants: the struct generated from configs.ArchConstants (arch_constants.h).
 extern const ArchConstants kArchConstants[];
 extern const int kNumArchConstants;
 

@@ -51,7 +51,7 @@ struct Problem {
   at::Tensor row_index;
   // Set where the rows were prepared on the device (cuda_prepare_rows), else undefined:
   at::Tensor target_weight;  // [N] float32: the target's class weight (1 without), 0 where ignored
-  at::Tensor totals;         // [3] float32: sum of target_weight, rows counted, sum of the class weights
+  at::Tensor totals;  // float32 prepare_rows' totals (PrepareRowsArgs::Totals: target weights, counted, class weights)
   // Under CUDA graph capture: the count of bad class indices ([1] int32 on the device), not read by the host;
   // the loss is made NaN where it is not 0 (loss.cpp). Undefined otherwise.
   at::Tensor unreported_bad_targets;

@@ -12,6 +12,7 @@
 #include "cuda_driver.h"
 #include "cuda_stages.h"
 #include "format.h"
+#include "kernel_args.h"
 #include "loss_terms.h"
 
 namespace fused_ce {
@@ -75,13 +76,22 @@ CountedRows count_rows(const at::Tensor& target) {
   return rows;
 }
 
+// The values prepare_targets reads back with the counts (its one host read), in this order: x's extremes, then for
+// a class-weighted mean the class and target weights' extremes, the target weights' L1 norm and prepare_rows'
+// totals (Totals' entries from kTotals on).
+enum Extreme : int { kInputLo, kInputHi, kClassLo, kClassHi, kTargetLo, kTargetHi, kTargetWeightNorm, kTotals };
+using Totals = PrepareRowsArgs::Totals;
+using Counts = PrepareRowsArgs::Counts;
+
 // Problem::coefficient_max and coefficient_sum of a class-weighted mean: a counted row's logit gradients are
 // g ((1 - eps) w_t (p - onehot) + eps / V (cw_sum p - cw)) with g = 1 / (the counted rows' weight sum), so each is
 // at most |g| ((1 - eps) |w_t| + eps / V (|cw_sum| + max|cw|)) before the logit scale and the z-loss.
 void weighted_mean_coefficients(Problem& p, const LossOptions& o, const at::Tensor& read) {
   const auto value = [&](int i) { return read[i].item<double>(); };
-  const double largest_class = std::max(-value(2), value(3)), largest_target = std::max(-value(4), value(5));
-  const double target_weights = value(6), weight_sum = value(7), counted = value(8), class_weight_sum = value(9);
+  const double largest_class = std::max(-value(kClassLo), value(kClassHi));
+  const double largest_target = std::max(-value(kTargetLo), value(kTargetHi));
+  const double target_weights = value(kTargetWeightNorm), weight_sum = value(kTotals + Totals::kTargetWeightSum);
+  const double counted = value(kTotals + Totals::kCounted), class_weight_sum = value(kTotals + Totals::kClassWeightSum);
   const double eps = o.label_smoothing, g = 1.0 / std::abs(weight_sum);
   const double smoothing = eps / static_cast<double>(p.V) * (std::abs(class_weight_sum) + largest_class);
   const double inf = std::numeric_limits<double>::infinity();
@@ -102,7 +112,7 @@ CountedRows prepare_targets(Problem& p, const LossOptions& o, const DeviceFacts&
     const bool capturing = stream_capturing(p.x.device());
     at::Tensor order;
     const bool write_order = !capturing || order_under_capture;
-    const at::Tensor counts = cuda_prepare_rows(p, raw, o, unit, write_order ? &order : nullptr);  // [bad, counted]
+    const at::Tensor counts = cuda_prepare_rows(p, raw, o, unit, write_order ? &order : nullptr);  // (Counts)
     if (capturing) {
       if (check) tally_captured_bad_targets(p, counts.narrow(0, 0, 1));
       rows.order = order;
@@ -114,23 +124,25 @@ CountedRows prepare_targets(Problem& p, const LossOptions& o, const DeviceFacts&
     const bool weighted_mean = p.class_weight.defined() && o.reduction_kind == Reduction::Mean;
     if (input_abs_max && p.N > 0) {
       const auto [lo, hi] = at::aminmax(p.x);
-      std::vector<at::Tensor> parts{lo, hi};
-      if (weighted_mean) {  // (weighted_mean_coefficients' inputs)
+      std::vector<at::Tensor> parts{lo, hi};  // (in Extreme's order)
+      if (weighted_mean) {                    // (weighted_mean_coefficients' inputs)
         const auto [class_lo, class_hi] = at::aminmax(p.class_weight);
         const auto [target_lo, target_hi] = at::aminmax(p.target_weight);
         parts.insert(parts.end(),
                      {class_lo, class_hi, target_lo, target_hi, at::linalg_vector_norm(p.target_weight, 1)});
       }
+      TORCH_CHECK(static_cast<int>(parts.size()) == (weighted_mean ? kTotals : kClassLo),
+                  "fused_ce: the extremes read back are out of Extreme's order");
       for (at::Tensor& part : parts) part = part.to(at::kFloat);
       extremes = at::stack(parts);
       if (weighted_mean) extremes = at::cat({extremes, p.totals});
     }
     const at::Tensor host = counts.cpu();  // the one host read
-    if (check && host[0].item<int>() != 0) bad_target_error(raw, o, p.V);
-    rows.counted = host[1].item<int>();
+    if (check && host[Counts::kBad].item<int>() != 0) bad_target_error(raw, o, p.V);
+    rows.counted = host[Counts::kCounted].item<int>();
     if (extremes.defined()) {
       const at::Tensor e = extremes.cpu();  // (done by now: no second wait)
-      const double lo = e[0].item<double>(), hi = e[1].item<double>();
+      const double lo = e[kInputLo].item<double>(), hi = e[kInputHi].item<double>();
       p.input_abs_max = std::isnan(lo) || std::isnan(hi) ? lo + hi : std::max(-lo, hi);
       if (weighted_mean) weighted_mean_coefficients(p, o, e);
     }

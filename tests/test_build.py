@@ -3,9 +3,11 @@
 import importlib
 import inspect
 import os
+import re
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +127,7 @@ def test_launch_arguments_are_checked_when_the_library_builds(tmp_path, assignme
 
     aot = importlib.import_module("fused_ce._build.aot")
     (tmp_path / "kernel_args.h").write_text(aot.launch_args_header())
+    (tmp_path / "arch_constants.h").write_text(aot.arch_constants_header())
     (tmp_path / "site.cpp").write_text(LAUNCH_SITE.replace("ASSIGNMENT", assignment))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     includes = [os.path.join(root, "csrc"), str(tmp_path)] + cpp_extension.include_paths()
@@ -134,6 +137,23 @@ def test_launch_arguments_are_checked_when_the_library_builds(tmp_path, assignme
         assert out.returncode == 0, out.stderr[-2000:]
     else:
         assert out.returncode != 0 and error in out.stderr, out.stderr[-2000:]
+
+
+def test_arch_constants_struct_is_generated_from_configs():
+    # One source: the C++ struct's fields are configs.ArchConstants' in their order, with their types, and the
+    # embedded table fills them in that order (a field moved in Python moves in both; none is filled by a
+    # position written by hand)
+    import dataclasses
+
+    aot = importlib.import_module("fused_ce._build.aot")
+    header = aot.arch_constants_header()
+    declared = re.findall(r"^  (int|double) (\w+);", header, flags=re.M)
+    types = {int: "int", float: "double"}
+    assert declared == [("int", "arch")] + [
+        (types[f.type], f.name) for f in dataclasses.fields(configs.ArchConstants)
+    ], declared
+    table = (Path(__file__).parent.parent / "csrc" / "kernel_table.h").read_text()
+    assert "struct ArchConstants" not in table and '#include "arch_constants.h"' in table
 
 
 def test_spec_grids_are_the_launchers():
@@ -150,9 +170,6 @@ def test_spec_grids_are_the_launchers():
 
 def csrc_units():
     """csrc's units (a .cpp with its .h, by name) and the units each one's files include."""
-    import re
-    from pathlib import Path
-
     files = {}
     for path in (Path(__file__).parent.parent / "csrc").iterdir():
         if path.suffix in (".h", ".cpp"):

@@ -12,6 +12,7 @@ like torch). One program, rows in a fixed order: deterministic.
 import triton
 import triton.language as tl
 
+from .prepare_rows import CLASS_WEIGHT_SUM, COUNTED, TARGET_WEIGHT_SUM, TOTALS
 from .spec import KernelSpec
 
 SPEC = KernelSpec(
@@ -26,6 +27,7 @@ SPEC = KernelSpec(
     grid="1",
     dtypes=("fp32",),  # float32 arguments whatever the inputs
     layouts=("general",),
+    arrays=(("totals_ptr", TOTALS),),  # (prepare_rows')
 )
 
 
@@ -39,7 +41,7 @@ def assemble_loss_kernel(
 ):
     offs = tl.arange(0, BLOCK)
     eps = label_smoothing
-    cw_sum = tl.load(totals_ptr + 2)
+    cw_sum = tl.load(totals_ptr + CLASS_WEIGHT_SUM)
     ce_acc = tl.zeros((BLOCK,), tl.float32)
     smooth_acc = tl.zeros((BLOCK,), tl.float32)
     z_acc = tl.zeros((BLOCK,), tl.float32)
@@ -69,9 +71,9 @@ def assemble_loss_kernel(
         smooth_total = tl.sum(smooth_acc, axis=0)
         z_total = tl.sum(z_acc, axis=0)
         if reduction == 1:  # torch divides each term by the weight sum on its own (0/0 stays NaN)
-            ce_total = ce_total / tl.load(totals_ptr)
-            smooth_total = smooth_total / tl.load(totals_ptr)
-            z_total = z_total / tl.load(totals_ptr + 1)
+            ce_total = ce_total / tl.load(totals_ptr + TARGET_WEIGHT_SUM)
+            smooth_total = smooth_total / tl.load(totals_ptr + TARGET_WEIGHT_SUM)
+            z_total = z_total / tl.load(totals_ptr + COUNTED)
         if has_smoothing:
             ce_total += smooth_total
         if z_loss > 0:

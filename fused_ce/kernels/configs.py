@@ -4,7 +4,7 @@ per-architecture constants.
 Pure data (no triton import): read by the AOT build, by the JIT launchers and by
 tests. Entries are measured on the device; benchmarks/LOG.md says how each was chosen.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # The kernels the build compiles, one module each in this package, each with its SPEC (spec.py).
 KERNELS = ("row_stats", "logit_grad", "logit_partials", "combine_partials", "softmax_grad", "scale",
@@ -123,17 +123,23 @@ def dot_precision(dtype: str) -> str:
     return "ieee" if dtype == "fp32" else "tf32"
 
 
+def _doc(text):
+    return field(metadata={"doc": text})
+
+
 @dataclass(frozen=True)
 class ArchConstants:
-    """What the plan (csrc/plan.cpp) weighs its strategies by, per architecture; embedded by the build."""
+    """What the plan (csrc/plan.cpp) weighs its strategies by, per architecture; embedded by the build, which
+    generates the C++ struct from these fields (their names, types and docs: arch_constants.h) and fills it by
+    them (kernel_table.cpp): one source."""
 
-    memory_bytes_per_s: float  # sustained bandwidth of the passes over stored logits
-    gemm_flops_per_s: float  # sustained GEMM rate at our shapes
-    min_stored_rows: int  # fewer rows per block and the loss-only forward's cuBLAS blocks lose to tl.dot tiles
-    gemm_tile_rows: int  # cuBLAS's row tile: blocks in whole tiles waste none
-    vocab_tile_rows: int  # rows of a 2-D tile of the lean forward with gradient: the dW GEMM stays compute-bound
-    filter_tile_rows: int  # grad_filter_eps's tiles of a block's gradient: rows
-    filter_tile_cols: int  # ... and classes
+    memory_bytes_per_s: float = _doc("sustained device-memory bandwidth of the passes over stored logits")
+    gemm_flops_per_s: float = _doc("sustained GEMM rate at our shapes")
+    min_stored_rows: int = _doc("fewer rows per block and the loss-only forward's cuBLAS blocks lose to tl.dot tiles")
+    gemm_tile_rows: int = _doc("cuBLAS's row tile: blocks in whole tiles waste none")
+    vocab_tile_rows: int = _doc("rows of a VocabTiles tile: enough for the dW GEMM to stay compute-bound")
+    filter_tile_rows: int = _doc("grad_filter_eps's tiles of a block's gradient: rows")
+    filter_tile_cols: int = _doc("... and classes")
 
 
 # Measured on the H200 (benchmarks/LOG.md: ~3 TB/s for the tile passes under the GEMMs' load, ~700 TFLOP/s
@@ -141,5 +147,13 @@ class ArchConstants:
 # included): the decisions depend on the ratio of the two rates, which other datacenter parts share roughly.
 # An architecture measured to differ gets an entry of its own.
 ARCH_CONSTANTS = {
-    0: ArchConstants(3e12, 700e12, 512, 128, 2048, 64, 128),
+    0: ArchConstants(
+        memory_bytes_per_s=3e12,
+        gemm_flops_per_s=700e12,
+        min_stored_rows=512,
+        gemm_tile_rows=128,
+        vocab_tile_rows=2048,
+        filter_tile_rows=64,
+        filter_tile_cols=128,
+    ),
 }

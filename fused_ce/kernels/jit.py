@@ -223,8 +223,8 @@ def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=
     f32 = dict(dtype=torch.float32, device=target.device)
     tgt_out = torch.empty_like(target)
     wt = torch.empty(N, **f32)
-    totals = torch.empty(3, **f32)
-    counts = torch.empty(2, dtype=torch.int32, device=target.device)
+    totals = torch.empty(len(_prepare_rows.TOTALS), **f32)
+    counts = torch.empty(len(_prepare_rows.COUNTS), dtype=torch.int32, device=target.device)
     coef = torch.empty(4, N, **f32) if coefficients else torch.empty(4, 1, **f32)
     rows = torch.empty(N if order else 1, dtype=torch.int64, device=target.device)
     _launch(_prepare_rows,
@@ -235,7 +235,7 @@ def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=
                  has_class_weight=int(class_weight is not None), mean=int(mean), write_coefficients=int(coefficients),
                  write_order=int(order)),
             BLOCK=cfg.block, num_warps=cfg.num_warps)
-    bad, counted = (int(v) for v in counts.tolist())
+    bad, counted = (int(counts[_prepare_rows.COUNTS.index(name)]) for name in ("bad", "counted"))
     return tgt_out, wt, totals, bad, counted, (tuple(coef) if coefficients else None), (rows if order else None)
 
 

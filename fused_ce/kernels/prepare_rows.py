@@ -39,6 +39,16 @@ def _targets(tgt_ptr, cw_ptr, rows, N, V, ignore_index, has_class_weight):
         w = valid.to(tl.float32)
     return tl.where(valid, t, -1), w, valid, bad, in_range
 
+# The arrays of totals and counts it writes, entry by entry (assemble_loss reads the totals; csrc reads both back by
+# these names: PrepareRowsArgs::Totals and ::Counts in kernel_args.h).
+TOTALS = ("target_weight_sum", "counted", "class_weight_sum")
+COUNTS = ("bad", "counted")
+TARGET_WEIGHT_SUM = tl.constexpr(TOTALS.index("target_weight_sum"))
+COUNTED = tl.constexpr(TOTALS.index("counted"))
+CLASS_WEIGHT_SUM = tl.constexpr(TOTALS.index("class_weight_sum"))
+BAD_TARGETS = tl.constexpr(COUNTS.index("bad"))
+COUNTED_TARGETS = tl.constexpr(COUNTS.index("counted"))
+
 SPEC = KernelSpec(
     "prepare_rows",
     params=(
@@ -53,6 +63,7 @@ SPEC = KernelSpec(
     grid="1",
     dtypes=("fp32",),  # float32 and int64 arguments whatever the inputs
     layouts=("general",),
+    arrays=(("totals_ptr", TOTALS), ("counts_ptr", COUNTS)),
 )
 
 
@@ -89,12 +100,12 @@ def prepare_rows_kernel(
         cw_sum = tl.sum(cw_acc, axis=0)
     else:
         cw_sum = tl.cast(V, tl.float32)
-    tl.store(totals_ptr, w_sum)
-    tl.store(totals_ptr + 1, n_valid)
-    tl.store(totals_ptr + 2, cw_sum)
+    tl.store(totals_ptr + TARGET_WEIGHT_SUM, w_sum)
+    tl.store(totals_ptr + COUNTED, n_valid)
+    tl.store(totals_ptr + CLASS_WEIGHT_SUM, cw_sum)
     n_counted = tl.sum(valid_acc, axis=0)
-    tl.store(counts_ptr, tl.sum(bad_acc, axis=0))
-    tl.store(counts_ptr + 1, n_counted)
+    tl.store(counts_ptr + BAD_TARGETS, tl.sum(bad_acc, axis=0))
+    tl.store(counts_ptr + COUNTED_TARGETS, n_counted)
 
     if write_coefficients:
         # torch's 'mean': divided by the signed sum of the counted weights (0 gives inf, so NaN gradients);

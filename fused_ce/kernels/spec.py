@@ -39,6 +39,10 @@ class KernelSpec:
     # name, ROWS, COLS and DEPTH (a program's rows, columns and features: its BLOCK_N or BLOCK_R, BLOCK_V or BLOCK,
     # and BLOCK_D), PROGRAMS (the launcher's cap on a grid-stride kernel's programs), cdiv, min and max.
     grid: str = "1"
+    # Small arrays the kernel writes or reads by index, named once here: ((pointer parameter, (entry, ...)), ...).
+    # The kernels index them by these names (their module's constexprs), and the build generates the C++ names
+    # from them (kernel_args.h: a struct per array in the kernel's argument struct, its entries' indices and size).
+    arrays: tuple = ()
 
     def variants(self):
         """The (dtype, layout) variants the build compiles."""
