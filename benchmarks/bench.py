@@ -3,6 +3,8 @@
     python benchmarks/bench.py                 # shapes A, B, C and an N sweep, every installed peer
     python benchmarks/bench.py --quick         # fewer repeats, smaller sweep
     python benchmarks/bench.py --shapes A --methods fused_ce,torch.compile
+    python benchmarks/bench.py --shapes Qwen2.5-0.5B,Qwen2.5-1.5B,Qwen2.5-3B,Llama-3.2-1B,Llama-3.2-3B --ignored 0
+                                               # the small heads (common.SHAPES), every row counted
     python benchmarks/bench.py --dtype float16  # the same in float16
     python benchmarks/bench.py --ignored 0.5 --mask prompt  # the first half of every 2048-token sequence ignored
     python benchmarks/bench.py --fused-workspace-mib 1024  # also fused_ce with workspace_bytes=1 GiB

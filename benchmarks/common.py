@@ -19,6 +19,12 @@ SHAPES = {  # name: (N, D, V)
     "B": (8192, 2304, 256000),  # Gemma-2 2B
     "C": (4096, 4096, 128256),
     "Q": (98304, 1024, 151936),  # a GRPO batch of examples/grpo.py: 512 sequences of 192 tokens, Qwen2's vocabulary
+    # the small heads most fine-tuning runs have, at 16384 tokens
+    "Qwen2.5-0.5B": (16384, 896, 151936),
+    "Qwen2.5-1.5B": (16384, 1536, 151936),
+    "Qwen2.5-3B": (16384, 2048, 151936),
+    "Llama-3.2-1B": (16384, 2048, 128256),
+    "Llama-3.2-3B": (16384, 3072, 128256),
 }
 PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
 
