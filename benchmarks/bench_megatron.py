@@ -146,7 +146,7 @@ def main():
     b.barh(names, [rows[n]["peak_gib"] for n in names])
     b.set_xlabel("peak GiB allocated in the step")
     b.set_yticks([])
-    fig.suptitle(f"Megatron GPTModel, hidden 4096, V 128256, {tokens_n} tokens, {torch.cuda.get_device_name()}")
+    fig.suptitle(f"Megatron GPTModel, hidden 4096, V 128256, {tokens_n} tokens, {device}")
     fig.tight_layout()
     fig.savefig(out / "bench_megatron.png", dpi=120)
     parallel_state.destroy_model_parallel()

@@ -163,22 +163,19 @@ void linear_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const
 }
 
 void logits_into(const Problem& p, at::Tensor& out, double scale) {
-  if (out.scalar_type() != p.x.scalar_type()) {
+  const auto dtype = out.scalar_type();
+  if (dtype != p.x.scalar_type()) {
     linear_into(out, p.x, p.w, p.bias, scale);
-    if (p.low_rank.defined()) {
-      const auto dtype = out.scalar_type();
-      at::addmm_out(out, out, p.low_rank.input.to(dtype), p.low_rank.weight.to(dtype).t(), /*beta=*/1, scale);
-    }
-    return;
-  }
-  if (p.bias.defined()) {
+  } else if (p.bias.defined()) {
     at::addmm_out(out, p.bias, p.x, p.w.t(), /*beta=*/scale, /*alpha=*/scale);
   } else if (scale != 1.0) {
     at::addmm_out(out, out, p.x, p.w.t(), /*beta=*/0, /*alpha=*/scale);  // beta 0: out's contents are not read
   } else {
     at::mm_out(out, p.x, p.w.t());
   }
-  if (p.low_rank.defined()) at::addmm_out(out, out, p.low_rank.input, p.low_rank.weight.t(), /*beta=*/1, scale);
+  if (p.low_rank.defined()) {  // (.to: no copy where out has the input dtype)
+    at::addmm_out(out, out, p.low_rank.input.to(dtype), p.low_rank.weight.to(dtype).t(), /*beta=*/1, scale);
+  }
 }
 
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
