@@ -93,7 +93,7 @@ setup(
     ext_modules=[
         CppExtension(
             "fused_ce._C",
-            sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")),
+            sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp")),
             # build/aot: the kernels' generated argument structs (kernel_args.h, fused_ce/_build/aot.py)
             include_dirs=[str(ROOT / "csrc"), str(ROOT / "build" / "aot")],
             # no debug info in the released library (it was a quarter of its size); FUSED_CE_WERROR=1 (CI's

@@ -121,7 +121,7 @@ at::Tensor weight_grad_by_slices(const Problem& p, const LossOptions& o, const P
   const int64_t classes = plan.weight_grad_slice_classes;
   TORCH_CHECK(classes > 0, "fused_ce: weight_grad_by_slices needs a plan with weight_grad_slice_classes");
   // float16's forward with gradient: its blocks at Plan::grad_scale (at unit scale they would underflow), its dW
-  // returned at Plan::grad_weight_scale (loss.h)
+  // returned at Plan::grad_weight_scale (ops/cross_entropy.h)
   const bool scaled = plan.pass == Pass::ForwardWithGrad && p.x.scalar_type() == at::kHalf;
   const GradCoefficients blocks = scaled ? c.scaled(plan.grad_scale) : c;
   const double out_scale = scaled ? plan.grad_weight_scale / plan.grad_scale : 1.0;

@@ -1,6 +1,6 @@
 // One op call's pipeline, made once: its options and problem, the counted rows, the plan (the kept rows
 // included), the rows the executors run on and their vocabulary shard; then the loss, the per-row outputs and
-// the gradients in the arguments' shapes. Each op of loss.cpp is a few lines over it.
+// the gradients in the arguments' shapes. Each op (csrc/ops/) is a few lines over it.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,6 +1,6 @@
 // The executors: one per strategy of each pass (plan.h). Each carries out its
 // plan (block sizes, dtypes, where the smoothing terms come from) and decides
-// nothing of its own; the ops (loss.cpp, distillation.cpp) pick one by plan.strategy.
+// nothing of its own; the ops (csrc/ops/) pick one by plan.strategy.
 #pragma once
 
 #include <ATen/ATen.h>

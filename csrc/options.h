@@ -3,7 +3,7 @@
 //
 // Each option is declared once, FUSED_CE_OPTION_<name>: X(C++ parameter type, name, schema type, default), the
 // default written once for both the schema and C++ (None, True and False are C++ names too, below); each op's
-// list names its options in its schema's order. From them come the schema text of every op (ops.cpp), the C++
+// list names its options in its schema's order. From them come the schema text of every op (csrc/ops/), the C++
 // parameters and arguments of the ops' functions (FUSED_CE_PARAMS / _ARGS), LossOptions' fields, its parse from
 // a boxed call's values (_plan's), and the Python front's arguments
 // (fused_ce/_options.py builds them from the op's schema and fails at import when an option of it has no keyword in
@@ -20,7 +20,7 @@
 // What a new output of the op (a per-row value such as the entropy) needs: a RowStats field (problem.h) that
 // the forward stages fill when a FUSED_CE_OUTPUT_OPTIONS flag asks for it (logit_partials/combine_partials,
 // row_stats, aten_stages), its combination over vocabulary shards (vocab_parallel.cpp), a return of
-// _linear_cross_entropy (ops.cpp, loss.cpp and the fake kernel in fused_ce/_fake.py), and, if it is
+// _linear_cross_entropy (ops/cross_entropy.cpp and the fake kernel in fused_ce/_fake.py), and, if it is
 // differentiable, a gradient input of linear_cross_entropy_backward and its term in the gradient
 // coefficients (GradCoefficients, loss_terms.cpp). The entropy and the argmax were added this way.
 #pragma once
@@ -101,7 +101,7 @@
           FUSED_CE_OPTION_softcap(X) FUSED_CE_OPTION_logit_scale(X) FUSED_CE_OPTION_ignore_index(X)    \
               FUSED_CE_OPTION_return_stats(X) FUSED_CE_OPTION_workspace_bytes(X)
 
-// The options of linear_distillation_loss (distillation.h), the shard options included.
+// The options of linear_distillation_loss (ops/distillation.cpp), the shard options included.
 #define FUSED_CE_DISTILLATION_OPTIONS(X)                                                                           \
   FUSED_CE_OPTION_beta(X) FUSED_CE_OPTION_temperature(X) FUSED_CE_OPTION_hard_label_weight(X)                      \
       FUSED_CE_OPTION_ignore_index(X) FUSED_CE_OPTION_reduction(X) FUSED_CE_OPTION_softcap(X)                      \
@@ -131,16 +131,20 @@
 #define FUSED_CE_PARAM_ITEM(cpp_type, name, ...) , cpp_type name
 #define FUSED_CE_ARG_ITEM(cpp_type, name, ...) , name
 #define FUSED_CE_DEFAULT_ITEM(cpp_type, name, schema_type, default) , cpp_type(default)
+#define FUSED_CE_IVALUE_ITEM(cpp_type, name, ...) , c10::IValue(name)
 #define FUSED_CE_COUNT_ITEM(...) +1
 #define FUSED_CE_SCHEMA(LIST) LIST(FUSED_CE_SCHEMA_ITEM)
 #define FUSED_CE_PARAMS(LIST) LIST(FUSED_CE_PARAM_ITEM)
 #define FUSED_CE_ARGS(LIST) LIST(FUSED_CE_ARG_ITEM)
 #define FUSED_CE_DEFAULTS(LIST) LIST(FUSED_CE_DEFAULT_ITEM)
+// The values boxed, for an op called boxed (an Op of op_function.h keeps its options so, in schema order).
+#define FUSED_CE_IVALUES(LIST) LIST(FUSED_CE_IVALUE_ITEM)
 // The same without the leading comma, for a list that begins a parameter or argument list.
 #define FUSED_CE_WITHOUT_FIRST(first, ...) __VA_ARGS__
 #define FUSED_CE_LEADING(items) FUSED_CE_WITHOUT_FIRST(items)
 #define FUSED_CE_PARAM_LIST(LIST) FUSED_CE_LEADING(0 LIST(FUSED_CE_PARAM_ITEM))
 #define FUSED_CE_ARG_LIST(LIST) FUSED_CE_LEADING(0 LIST(FUSED_CE_ARG_ITEM))
+#define FUSED_CE_IVALUE_LIST(LIST) FUSED_CE_LEADING(0 LIST(FUSED_CE_IVALUE_ITEM))
 
 namespace fused_ce {
 

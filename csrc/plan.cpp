@@ -111,6 +111,10 @@ std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Te
                                    o.workspace_bytes.value_or(kDefaultCudaWorkspace));
 }
 
+bool gradients_in_forward(const LossOptions& o, const at::Tensor& input) {
+  return o.scalar() && !(input.scalar_type() == at::kHalf && input.device().is_cpu());
+}
+
 Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device, Pass pass, int64_t counted,
                int64_t kept) {
   TORCH_CHECK_VALUE(pass != Pass::ForwardWithGrad || o.scalar() || p.distills(),

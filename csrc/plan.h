@@ -32,6 +32,11 @@ Plan make_plan(const Problem& p, const LossOptions& o, const DeviceFacts& device
 // fake kernels know the shapes.
 std::optional<c10::SymInt> kept_logit_rows(const at::Tensor& input, const at::Tensor& linear_weight,
                                            const at::Tensor& target, const LossOptions& o, const DeviceFacts& device);
+// Whether a differentiated call of _linear_cross_entropy forms its gradients in its forward (Pass::ForwardWithGrad,
+// the autograd formula's choice): a scalar loss, but not float16's on the CPU (at unit scale its gradients are
+// float32, twice what float16 holds, held until the backward: it recomputes them at the upstream gradient's scale
+// instead, in float16). The other differentiated calls keep their logits where kept_logit_rows says.
+bool gradients_in_forward(const LossOptions& o, const at::Tensor& input);
 // kept_logit_rows' constants, for the fake kernel (fused_ce/_fake.py): the default CUDA workspace, the fewest
 // rows a partial keep takes, and the bytes of partials per 1024 columns.
 std::vector<int64_t> _kept_logit_rows_constants();

@@ -15,7 +15,7 @@
 
 namespace fused_ce {
 
-// A distillation's divergence (linear_distillation_loss: distillation.h says what each is).
+// A distillation's divergence (linear_distillation_loss: ops/distillation.cpp says what each is).
 enum class Divergence { None, ForwardKL, ReverseKL, JSD, TopK };
 
 // The teacher of a distillation (make_distillation_problem): its head's rows beside the problem's own (selected
@@ -53,7 +53,7 @@ struct Problem {
   at::Tensor target_weight;  // [N] float32: the target's class weight (1 without), 0 where ignored
   at::Tensor totals;  // float32 prepare_rows' totals (PrepareRowsArgs::Totals: target weights, counted, class weights)
   // Under CUDA graph capture: the count of bad class indices ([1] int32 on the device), not read by the host;
-  // the loss is made NaN where it is not 0 (loss.cpp). Undefined otherwise.
+  // the loss is made NaN where it is not 0 (ops/cross_entropy.cpp). Undefined otherwise.
   at::Tensor unreported_bad_targets;
   // The largest |x| over every row, read with the targets' count where asked for (prepare_targets: float16's
   // forward with gradient, whose dW scale it bounds, Plan::grad_weight_scale); NaN where not read.

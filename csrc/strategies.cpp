@@ -105,8 +105,8 @@ void slice_weight_grad_if_inexact(Plan& plan, const Problem& p, const LossOption
 // adds its x and dX in float32; the gradients keep the input dtype's plan. dW of bfloat16 or float16 sums its row
 // blocks in its own dtype up to input_dtype_accumulations blocks, beyond in a float32 accumulator where that fits
 // in half the budget (the blocks take the rest), else dW comes from vocabulary slices (weight_grad_slice_classes):
-// everything within workspace_bytes. float16's gradients at unit scale (the forward with gradient: loss.h) stay
-// float32 through their products, the weight converted a slice at a time (gemm_into): float16 would lose them to
+// everything within workspace_bytes. float16's gradients at unit scale (the forward with gradient: ops/cross_entropy.h)
+// stay float32 through their products, the weight converted a slice at a time (gemm_into): float16 would lose them to
 // underflow.
 void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool selected) {
   plan.strategy = Strategy::AtenChunks;
@@ -139,7 +139,7 @@ void plan_aten_chunks(Plan& plan, const Problem& p, const LossOptions& o, bool s
     }
     slice_weight_grad_if_inexact(plan, p, o, cdiv(p.N, plan.block_rows));
     // no row at all (every target ignored): zero gradients, made in the input dtype (float16's in float32, as
-    // its forward with gradient always returns them: loss.h)
+    // its forward with gradient always returns them: ops/cross_entropy.h)
     if (p.N == 0)
       plan.grad_input_dtype = plan.grad_weight_dtype = p.x.scalar_type() == at::kHalf ? at::kFloat : p.x.scalar_type();
   }

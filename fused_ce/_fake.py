@@ -37,6 +37,18 @@ def _check_devices(caller, input, **tensors):
         )
 
 
+def _check_low_rank_pair(caller, a):
+    """The op's check (csrc/problem.cpp, with_low_rank), word for word (tests/test_low_rank.py compares them)."""
+    has_input, has_weight = a.get("low_rank_input") is not None, a.get("low_rank_weight") is not None
+    torch._check_value(
+        has_input == has_weight,
+        lambda: (
+            f"{caller}: low_rank_input and low_rank_weight go together (the logits' term low_rank_input @ "
+            f"low_rank_weight.T): {'low_rank_weight' if has_input else 'low_rank_input'} is missing"
+        ),
+    )
+
+
 def _outputs(a, return_entropy=False, return_argmax=False):
     """The loss ops' (loss, lse, entropy, argmax) from their arguments by name."""
     caller = a.get("caller", "linear_cross_entropy")
@@ -58,10 +70,7 @@ def _outputs(a, return_entropy=False, return_argmax=False):
     _check_devices(caller, input, linear_weight=linear_weight, target=target, linear_bias=a["linear_bias"],
                    weight=a["weight"], low_rank_input=a.get("low_rank_input"),
                    low_rank_weight=a.get("low_rank_weight"))  # fmt: skip
-    torch._check(
-        (a.get("low_rank_input") is None) == (a.get("low_rank_weight") is None),
-        lambda: f"{caller}: low_rank_input and low_rank_weight go together",
-    )
+    _check_low_rank_pair(caller, a)
     lse = input.new_empty(target.shape, dtype=_loss_dtype(input))
     loss = lse.new_empty(target.shape) if reduction == "none" else lse.new_empty(())
     entropy = lse.new_empty(target.shape if return_entropy else (0,))
@@ -84,7 +93,7 @@ def _linear_cross_entropy_all_fake(*args, **kwargs):
 def _linear_cross_entropy_keeping_logits_fake(*args, **kwargs):
     a = _arguments(torch.ops.fused_ce._linear_cross_entropy_keeping_logits.default, args, kwargs)
     outputs = _outputs(a, return_entropy=a["return_entropy"], return_argmax=a["return_argmax"])
-    # the kept rows' logits over this rank's classes, in the input dtype (csrc/loss.h)
+    # the kept rows' logits over this rank's classes, in the input dtype (csrc/ops/cross_entropy.h)
     rows = _kept_logit_rows(a["input"], a["linear_weight"], a["target"], a)
     return (*outputs, a["input"].new_empty((rows, a["linear_weight"].shape[0])))
 
@@ -133,7 +142,7 @@ def _grads(input, linear_weight, linear_bias, output_mask):
 
 
 def _low_rank_grads(a, dtype=None):
-    """The low-rank term's gradients (csrc/loss.h): shaped as its arguments where given, else empty."""
+    """The low-rank term's gradients (csrc/ops/cross_entropy.h): shaped as its arguments where given, else empty."""
     input, weight = a["low_rank_input"], a["low_rank_weight"]
     if input is None:
         return a["input"].new_empty((0,)), a["input"].new_empty((0,))
@@ -170,7 +179,7 @@ def _linear_cross_entropy_with_grad_fake(*args, **kwargs):
     if input.dtype != torch.float16:
         no_scale = input.new_empty((0,), dtype=torch.float32)
         return (*outputs, grad_input, grad_weight, grad_bias, no_scale, *_low_rank_grads(a))
-    # dX and db in float32 until the backward scales them, dW in float16 times a power of two (csrc/loss.h)
+    # dX and db in float32 until the backward scales them, dW in float16 times a power of two (csrc/ops/cross_entropy.h)
     mask, bias = a["output_mask"], a["linear_bias"]
     to_float32 = [
         g.new_empty(g.shape, dtype=torch.float32) if formed else g
@@ -190,6 +199,7 @@ def _policy_outputs(a):
     names = ("linear_weight", "target", "advantages", "token_weights", "old_log_probs", "ref_log_probs", "linear_bias",
              "low_rank_input", "low_rank_weight")  # fmt: skip
     _check_devices("linear_policy_loss", input, **{n: a[n] for n in names})
+    _check_low_rank_pair("linear_policy_loss", a)
     loss = input.new_empty((), dtype=_loss_dtype(input))
     return loss, loss.new_empty((6, *a["target"].shape) if a["return_stats"] else (0,))
 
@@ -204,7 +214,7 @@ def _linear_policy_loss_with_grad_fake(*args, **kwargs):
     a = _arguments(torch.ops.fused_ce.linear_policy_loss_with_grad.default, args, kwargs)
     grads = _grads(a["input"], a["linear_weight"], a["linear_bias"], a["output_mask"])
     half = a["input"].dtype == torch.float16
-    if half:  # float32 until the backward scales them (csrc/loss.h)
+    if half:  # float32 until the backward scales them (csrc/ops/cross_entropy.h)
         grads = tuple(g.new_empty(g.shape, dtype=torch.float32) for g in grads)
     return (*_policy_outputs(a), *grads, *_low_rank_grads(a, torch.float32 if half else None))
 

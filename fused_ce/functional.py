@@ -29,12 +29,10 @@ def _call(input, linear_weight, target, linear_bias, weight, options, low_rank):
     )
 
 
-def _low_rank(caller, low_rank_input, low_rank_weight):
-    """The logits' low-rank term as the ops take it, by name ({} without one): both or neither."""
-    if (low_rank_input is None) != (low_rank_weight is None):
-        missing = "low_rank_weight" if low_rank_weight is None else "low_rank_input"
-        raise ValueError(f"{caller}: low_rank_input and low_rank_weight go together: {missing} is missing")
-    return {} if low_rank_input is None else dict(low_rank_input=low_rank_input, low_rank_weight=low_rank_weight)
+def _low_rank(low_rank_input, low_rank_weight):
+    """The logits' low-rank term as the ops take it, by name ({} without one; the op checks that both come)."""
+    given = dict(low_rank_input=low_rank_input, low_rank_weight=low_rank_weight)
+    return {name: t for name, t in given.items() if t is not None}
 
 
 def _vocab_parallel(input, linear_weight, target, linear_bias, weight, process_group, vocab_start,
@@ -203,7 +201,7 @@ def linear_cross_entropy(
     backward: they are results, not saved activations, so ``torch.autograd.graph.saved_tensors_hooks``
     (activation offloading) does not see them.
     """
-    low_rank = _low_rank("linear_cross_entropy", low_rank_input, low_rank_weight)
+    low_rank = _low_rank(low_rank_input, low_rank_weight)
     if linear_weight.dim() > 2:
         if return_argmax:
             raise ValueError("linear_cross_entropy: return_argmax is not supported for a K-dimensional loss")
@@ -368,7 +366,7 @@ def linear_log_probs(
         softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index, return_entropy=return_entropy,
         return_argmax=return_argmax, workspace_bytes=workspace_bytes,
     )  # fmt: skip
-    low_rank = _low_rank("linear_log_probs", low_rank_input, low_rank_weight)
+    low_rank = _low_rank(low_rank_input, low_rank_weight)
     log_probs, entropy, argmax = torch.ops.fused_ce.linear_log_probs(
         input, linear_weight, target, linear_bias, **options, **low_rank
     )
@@ -457,7 +455,7 @@ def linear_policy_loss(
         temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
         return_stats=bool(return_stats), workspace_bytes=workspace_bytes,
     )  # fmt: skip
-    low_rank = _low_rank("linear_policy_loss", low_rank_input, low_rank_weight)
+    low_rank = _low_rank(low_rank_input, low_rank_weight)
     loss, stats = torch.ops.fused_ce.linear_policy_loss(
         input, linear_weight, actions, advantages, token_weights, old_log_probs, ref_log_probs, linear_bias, **options,
         **low_rank,

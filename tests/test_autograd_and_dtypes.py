@@ -140,7 +140,7 @@ def test_float16_gradients_under_a_loss_scale(device):
     # lost that (dX 2.6x torch's error on CPU): on CUDA the forward keeps dX in float32 and dW in float16 times a
     # power of two (Plan.grad_weight_scale), its float16 gradient blocks at a power-of-two scale (Plan.grad_scale),
     # and the backward rounds dX once after the scale, scales dW in place; on the CPU
-    # the backward forms them at the upstream gradient's scale (csrc/autograd.cpp, gradients_in_forward).
+    # the backward forms them at the upstream gradient's scale (gradients_in_forward, csrc/plan.h).
     N, D, V = (16384, 64, 2000) if device == "cpu" else (16384, 256, 32000)
     x, w, t, _ = make_problem(N, D, V, device=device, dtype=torch.float16)
     scale = 1024.0  # small enough that dW (~ scale * |x|) stays finite in float16

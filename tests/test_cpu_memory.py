@@ -116,7 +116,7 @@ def test_half_precision_matches_torchs_error(dtype):
         loss.backward()
         pairs = ((loss, ref), (xl.grad, xr.grad), (wl.grad, wr.grad))
         errors[name] = [((a.double() - b).norm() / b.norm()).item() for a, b in pairs]
-    # (float16's gradients come from the recomputing backward on the CPU: csrc/autograd.cpp, gradients_in_forward)
+    # (float16's gradients come from the recomputing backward on the CPU: gradients_in_forward, csrc/plan.h)
     blocks = fused_ce.plan(x, w, t, workspace_bytes=2 * MiB, pass_="forward_with_grad" if dtype == torch.bfloat16
                            else "backward")  # fmt: skip
     assert blocks.block_rows < N // 8 and blocks.grad_weight_dtype == torch.float32  # dW summed in float32

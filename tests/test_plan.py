@@ -53,7 +53,7 @@ def test_cpu_takes_aten_chunks_within_budget(dtype, pass_):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_half_precision_dw_accumulator_only_within_the_budget(dtype):
     N, D, V = 20000, 64, 3000  # 11 row blocks of the default budget
-    pass_ = "forward_with_grad" if dtype == torch.bfloat16 else "backward"  # (float16: csrc/autograd.cpp)
+    pass_ = "forward_with_grad" if dtype == torch.bfloat16 else "backward"  # (float16: csrc/plan.h)
     plan = fused_ce.plan(*expanded(N, D, V, dtype), pass_=pass_)
     accumulator = V * D * 4
     assert plan.grad_weight_dtype == torch.float32 and plan.grad_input_dtype == dtype

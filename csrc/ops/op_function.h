@@ -1,5 +1,6 @@
-// The autograd template of every op (OpFunction<Op>) and the checks and helpers its Autograd kernels share
-// (autograd.cpp defines them; the ops' Op types are in autograd.cpp and distillation.cpp).
+// The autograd template of every op (OpFunction<Op>) and what the ops' Autograd kernels share: their checks, the
+// scaling of gradients formed in the forward (_scale_grad_), the dispatcher's handles. Each op family's Op type is
+// in its own file (cross_entropy_autograd.cpp, policy_loss.cpp, distillation.cpp); op_function.cpp defines the rest.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -110,6 +111,11 @@ class OpFunction : public torch::autograd::Function<OpFunction<Op>> {
   }
 };
 
+// fused_ce::_scale_grad_: grad *= scale in place, for gradients computed in the forward; on CUDA a kernel
+// (cuda_scale_) that reads scale on the device, so `loss.backward()` costs no pass and no synchronisation;
+// elsewhere a multiply.
+void _scale_grad_(const at::Tensor& grad, const at::Tensor& scale);
+
 // The checks every Autograd kernel makes; false where no gradient is asked for (the op runs below autograd).
 bool needs_autograd(const char* caller, const Linear& l);
 
@@ -120,8 +126,9 @@ void check_not_differentiable(const char* caller, const char* name, const std::o
 // The gradients a forward formed at unit scale (used_up; computed again by `recompute` for a second backward
 // through a retained graph, deterministically, so that it gives bitwise the same: gradcheck's reentrance check)
 // times the upstream gradient where asked for: in place in their argument's dtype, else (float16's float32 ones,
-// loss.h) scaled and then rounded once to it. The list: input's, linear_weight's, linear_bias's, then float16's dW
-// scale ([] or empty) and the low-rank term's two where there is one; the result: the linear's three, then those two.
+// cross_entropy.h) scaled and then rounded once to it. The list: input's, linear_weight's, linear_bias's, then
+// float16's dW scale ([] or empty) and the low-rank term's two where there is one; the result: the linear's three, then
+// those two.
 variable_list scaled_forward_grads(std::optional<torch::autograd::variable_list> used_up,
                                    const std::function<torch::autograd::variable_list()>& recompute, const Linear& l,
                                    at::Tensor grad_loss, const Mask& mask);

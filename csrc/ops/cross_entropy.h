@@ -1,26 +1,28 @@
-// The ops' CPU and CUDA implementations (loss.cpp): options, problem, targets,
-// plan, executor, loss. Their schemas are in ops.cpp, their options in options.h.
+// The cross-entropy ops: linear_cross_entropy (the public op), _linear_cross_entropy (every output), their backward,
+// the pair that keeps a per-token loss's logits for its backward, the forward with gradient, and linear_log_probs.
+// cross_entropy.cpp: their schemas, their CPU and CUDA kernels (each a Call, call.h, and its executor) and
+// linear_log_probs; cross_entropy_autograd.cpp: their autograd formula. Their options are in options.h.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/core/stack.h>
 
 #include <array>
 #include <optional>
-#include <string>
 #include <tuple>
 
 #include "options.h"
 
 namespace fused_ce {
 
+using AllOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
 // fused_ce::_linear_cross_entropy, the op every front calls: (loss, lse, entropy, argmax), the last two
 // shaped like the target where asked for (return_entropy, return_argmax), else empty; vocabulary parallel
 // with a process_group (vocab_parallel.h).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias,
-    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS);
+AllOutputs _linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                                 const std::optional<at::Tensor>& linear_bias,
+                                 const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
+                                     FUSED_CE_LOW_RANK_PARAMS);
 
 // fused_ce::linear_cross_entropy, the public op, as a kernel of _linear_cross_entropy's (`all`: its CPU/CUDA or
 // its Autograd kernel): its options, the others at their defaults; (loss, lse).
@@ -36,13 +38,6 @@ std::tuple<at::Tensor, at::Tensor> public_loss(const at::Tensor& input, const at
           low_rank_input, low_rank_weight);
   return {loss, lse};
 }
-
-// Whether a differentiated call of _linear_cross_entropy forms its gradients in its forward
-// (linear_cross_entropy_with_grad, the autograd formula's choice): a scalar loss, but not float16's on the CPU (at
-// unit scale its gradients are float32, twice what float16 holds, held until the backward: it recomputes them at
-// the upstream gradient's scale instead, in float16). The other differentiated calls run
-// _linear_cross_entropy_keeping_logits.
-bool gradients_in_forward(const LossOptions& o, const at::Tensor& input);
 
 // The cross-entropy backward ops' gradients: input, linear_weight, linear_bias (empty where output_mask is false),
 // low_rank_input and low_rank_weight (both where given, else empty).
@@ -98,23 +93,10 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
                                    FUSED_CE_LOW_RANK_PARAMS);
 
-// fused_ce::linear_policy_loss_with_grad: (loss, stats, grad_input, grad_linear_weight, grad_linear_bias,
-// grad_low_rank_input, grad_low_rank_weight) of the policy-gradient objective (policy.h) for an upstream gradient of
-// 1, the gradients formed from the same logits as the loss (6NDV); stats [6] with return_stats (else empty); the
-// low-rank term's gradients empty without one. float16's gradients in float32, as above.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-linear_policy_loss_with_grad(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-                             const at::Tensor& advantages, const std::optional<at::Tensor>& token_weights,
-                             const std::optional<at::Tensor>& old_log_probs,
-                             const std::optional<at::Tensor>& ref_log_probs,
-                             const std::optional<at::Tensor>& linear_bias,
-                             std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_POLICY_OPTIONS)
-                                 FUSED_CE_PARAMS(FUSED_CE_SHARD_OPTIONS) FUSED_CE_LOW_RANK_PARAMS);
-
-// fused_ce::_plan: the plan of one of the three ops for these arguments (plan.h,
-// plan_fields), without running it (the targets are prepared: one host read).
-void _plan(const c10::OperatorHandle& op, torch::jit::Stack* stack);
-// _plan's schema, from plan_fields.
-std::string plan_schema();
+// _linear_cross_entropy through the dispatcher, below autograd: (loss, lse, entropy, argmax).
+AllOutputs call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                        const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                        const LossOptions& o, const std::optional<at::Tensor>& low_rank_input = std::nullopt,
+                        const std::optional<at::Tensor>& low_rank_weight = std::nullopt);
 
 }  // namespace fused_ce

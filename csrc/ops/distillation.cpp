@@ -1,8 +1,24 @@
-// linear_distillation_loss's kernels (distillation.h): the op, its with-grad op, its autograd formula; each a Call
-// over the problem with the teacher (make_distillation_problem) and the plan's executor (executors.h).
-#include "distillation.h"
-
+// fused_ce::linear_distillation_loss: a student's head distilled from a teacher's, both heads' logits formed row
+// block by row block (never [N, V] at once), the student's gradients formed in the same pass from the same
+// blocks. Each head's logits are transformed as its model does (logit_scale, then softcap: c tanh(z / c)).
+// Per counted row, with s = log_softmax(student logits / T) and t = log_softmax(teacher logits / T):
+//   beta 0: KL(t || s); beta 1: KL(s || t); in between the generalised JSD
+//   beta KL(t || m) + (1 - beta) KL(s || m), m = (1 - beta) p_s + beta p_t (TRL's convention; no T^2 factor);
+//   offline (teacher_top_indices / teacher_top_log_probs [..., k] instead of the teacher's head): the teacher's
+//   k log-probs renormalised over those k, q, and KL(q || s) = sum_k q_k (log q_k - s[idx_k]);
+// with hard_label_weight w, (1 - w) divergence + w cross-entropy of the student's logits (at T = 1) on target.
+// Rows whose target is ignore_index are not counted and not computed; without target every row counts.
+// 'mean' over the counted rows, 'sum', 'none' (per row, 0 at ignored rows). return_entropy: each row's student
+// entropy at T (0 at ignored rows), no gradient. Vocabulary parallel (the shard options): both heads hold the
+// same shard of the classes; the row statistics are combined over the group, so every rank gets the loss.
+// A call of the ops is a Call (call.h) over a problem whose teacher is part of it (make_distillation_problem:
+// distillation_problem.h): its targets prepared as every op's (CUDA graph capture included), its blocks planned
+// (plan_distillation) and run by its executor (executors.h: ATen's stages, or cuBLAS's products swept by the
+// distill_rows kernel).
+// Here: the ops' schemas, their CPU and CUDA kernels, their autograd formula (OpFunction<DistillationOp>,
+// op_function.h).
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <string>
@@ -13,10 +29,28 @@
 #include "distillation_problem.h"
 #include "executors.h"
 #include "format.h"
+#include "library.h"
 #include "op_function.h"
+#include "options.h"
+
+// The tensor arguments of the distillation ops, in schema order.
+#define FUSED_CE_DISTILLATION_TENSORS(DEFAULT)                                                           \
+  "Tensor input, Tensor linear_weight, Tensor? teacher_input" DEFAULT ", Tensor? teacher_weight" DEFAULT \
+  ", Tensor? target" DEFAULT ", Tensor? linear_bias" DEFAULT ", Tensor? teacher_bias" DEFAULT            \
+  ", Tensor? teacher_top_indices" DEFAULT ", Tensor? teacher_top_log_probs" DEFAULT
 
 namespace fused_ce {
 namespace {
+
+using OptionalTensor = std::optional<at::Tensor>;
+#define FUSED_CE_DISTILLATION_TENSOR_PARAMS                                                                  \
+  const at::Tensor &input, const at::Tensor &linear_weight, const OptionalTensor &teacher_input,             \
+      const OptionalTensor &teacher_weight, const OptionalTensor &target, const OptionalTensor &linear_bias, \
+      const OptionalTensor &teacher_bias, const OptionalTensor &teacher_top_indices,                         \
+      const OptionalTensor &teacher_top_log_probs
+#define FUSED_CE_DISTILLATION_TENSOR_ARGS                                                                      \
+  input, linear_weight, teacher_input, teacher_weight, target, linear_bias, teacher_bias, teacher_top_indices, \
+      teacher_top_log_probs
 
 constexpr const char* kCaller = "linear_distillation_loss";
 
@@ -27,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill(c
                                                                                LossOptions o, bool with_grad,
                                                                                const OptionalTensor& row_scale,
                                                                                GradMask need) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // (the dtypes as given)
+  const NoAutocast no_autocast;
   Problem problem = make_distillation_problem(in, o);
   const Call call(std::move(problem), std::move(o), with_grad ? Pass::ForwardWithGrad : Pass::Forward,
                   {/*check=*/true, /*unit=*/nullptr, /*given=*/in.target && in.target->defined()},
@@ -80,8 +114,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill(c
   return {call.flagged(loss), entropy, gx, gw, gb};
 }
 
-}  // namespace
-
+// The public op's CPU and CUDA kernel (no gradient): (loss, entropy): the loss a scalar or (reduction 'none')
+// shaped like the rows of input; the entropy shaped so where asked for, else empty.
 std::tuple<at::Tensor, at::Tensor> linear_distillation_loss(
     FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
   const auto out = distill({FUSED_CE_DISTILLATION_TENSOR_ARGS},
@@ -90,14 +124,16 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss(
   return {std::get<0>(out), std::get<1>(out)};
 }
 
+// fused_ce::_linear_distillation_with_grad: (loss, entropy, grad_input, grad_linear_weight, grad_linear_bias) of
+// the student, the gradients asked for in output_mask (else empty), formed from the same logit blocks as the
+// loss, each row's gradient times row_scale (one value per row of input; None: the reduction's own, i.e. an
+// upstream gradient of 1 on a 'mean' or 'sum' loss).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_distillation_with_grad(
     FUSED_CE_DISTILLATION_TENSOR_PARAMS, const OptionalTensor& row_scale,
     std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
   return distill({FUSED_CE_DISTILLATION_TENSOR_ARGS},
                  distillation_options(FUSED_CE_ARG_LIST(FUSED_CE_DISTILLATION_OPTIONS)), true, row_scale, output_mask);
 }
-
-namespace {
 
 // linear_distillation_loss's autograd: a scalar loss's gradients formed in the forward (the backward scales
 // them); 'none' forms them in the backward for its upstream gradient, one pass over both heads again.
@@ -163,8 +199,8 @@ struct DistillationOp : torch::CustomClassHolder {
   }
 };
 
-}  // namespace
-
+// The public op's Autograd kernel: differentiable in input, linear_weight and linear_bias (the teacher gets no
+// gradient).
 std::tuple<at::Tensor, at::Tensor> linear_distillation_loss_autograd(
     FUSED_CE_DISTILLATION_TENSOR_PARAMS FUSED_CE_PARAMS(FUSED_CE_DISTILLATION_OPTIONS)) {
   for (const auto& [argument, t] : {std::pair<const char*, const OptionalTensor*>{"teacher_input", &teacher_input},
@@ -178,10 +214,7 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss_autograd(
     at::AutoDispatchBelowADInplaceOrView guard;
     return linear_distillation_loss(FUSED_CE_DISTILLATION_TENSOR_ARGS FUSED_CE_ARGS(FUSED_CE_DISTILLATION_OPTIONS));
   }
-#define FUSED_CE_IVALUE_ITEM(cpp_type, name, ...) , c10::IValue(name)
-  auto options = detail::call_without_first([](auto... v) { return std::vector<c10::IValue>{v...}; },
-                                            0 FUSED_CE_DISTILLATION_OPTIONS(FUSED_CE_IVALUE_ITEM));
-#undef FUSED_CE_IVALUE_ITEM
+  std::vector<c10::IValue> options{FUSED_CE_IVALUE_LIST(FUSED_CE_DISTILLATION_OPTIONS)};
   const auto op = c10::make_intrusive<DistillationOp>(
       std::array<OptionalTensor, 6>{teacher_input, teacher_weight, target, teacher_bias, teacher_top_indices,
                                     teacher_top_log_probs},
@@ -191,4 +224,26 @@ std::tuple<at::Tensor, at::Tensor> linear_distillation_loss_autograd(
   return {out[0], out[1]};
 }
 
+void distillation_kernels(torch::Library& m) {
+  m.impl("linear_distillation_loss", &linear_distillation_loss);
+  m.impl("_linear_distillation_with_grad", &_linear_distillation_with_grad);
+}
+
+}  // namespace
 }  // namespace fused_ce
+
+TORCH_LIBRARY_FRAGMENT(fused_ce, m) {
+  m.def("linear_distillation_loss(" FUSED_CE_DISTILLATION_TENSORS("=None")
+            FUSED_CE_SCHEMA(FUSED_CE_DISTILLATION_OPTIONS) ") -> (Tensor loss, Tensor entropy)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("_linear_distillation_with_grad(" FUSED_CE_DISTILLATION_TENSORS("") ", Tensor? row_scale, bool[3] output_mask"
+            FUSED_CE_SCHEMA(FUSED_CE_DISTILLATION_OPTIONS) ") -> (Tensor loss, Tensor entropy, Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+}
+
+FUSED_CE_CPU_AND_CUDA(fused_ce::distillation_kernels)
+FUSED_CE_AUTOCAST("linear_distillation_loss")
+
+TORCH_LIBRARY_IMPL(fused_ce, Autograd, m) {
+  m.impl("linear_distillation_loss", &fused_ce::linear_distillation_loss_autograd);
+}
