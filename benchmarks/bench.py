@@ -238,6 +238,27 @@ def print_table(rows, first_call, env, dtype):
         )
 
 
+def plot_shapes(plt, rows, path, dtype):
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(shapes)), 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        by_shape = {r["shape"]: r for r in rows if r["method"] == method}
+        xs = [k + i * width for k, shape in enumerate(shapes) if shape in by_shape]
+        ax_t.bar(xs, [by_shape[s]["ms"] for s in shapes if s in by_shape], width, label=method)
+        ax_m.bar(xs, [by_shape[s]["workspace_gib"] for s in shapes if s in by_shape], width, label=method)
+    ignored = sorted({r["ignored"] for r in rows})
+    for ax, label in ((ax_t, "fwd+bwd ms"), (ax_m, "workspace GiB (beyond inputs and grads)")):
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(shapes))], shapes, rotation=20, fontsize=8)
+        ax.set(ylabel=label)
+    ax_t.set_title(f"{dtype}, {', '.join(f'{100 * i:g}%' for i in ignored)} ignored")
+    ax_t.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def plot(rows, path, dtype):
     try:
         import matplotlib
@@ -248,7 +269,8 @@ def plot(rows, path, dtype):
         print("matplotlib missing: no plot", file=sys.stderr)
         return
     sweep = [r for r in rows if r["shape"] == "A" or r["shape"].startswith("A@")]
-    if not sweep:
+    if len(sweep) <= len({r["method"] for r in sweep}):  # no N sweep: each shape's methods side by side
+        plot_shapes(plt, rows, path, dtype)
         return
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
     for method in sorted({r["method"] for r in sweep}):
