@@ -3,7 +3,10 @@
 #include "cross_entropy.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 
+#include <cmath>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -28,7 +31,7 @@ GradMask without_weight_grad(GradMask need, bool slices) {
 }
 
 // The forward's outputs (loss, lse, entropy, argmax): the Forward pipeline.
-AllOutputs forward_outputs(const LossInputs& in, LossOptions o) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(const LossInputs& in, LossOptions o) {
   const Call call(in, std::move(o), Pass::Forward, {});
   const Problem shard = call.shard();
   const RowStats s = forward_stats(shard, call.options, call.plan);
@@ -64,10 +67,10 @@ CrossEntropyGrads backward_grads(const Call& call, const Upstream& up, GradMask 
 
 }  // namespace
 
-AllOutputs _linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-                                 const std::optional<at::Tensor>& linear_bias,
-                                 const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
-                                     FUSED_CE_LOW_RANK_PARAMS) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS) {
   const NoAutocast no_autocast;
   return forward_outputs({input, linear_weight, target, linear_bias, weight, low_rank_input, low_rank_weight},
                          LossOptions::parse(FUSED_CE_ARG_LIST(FUSED_CE_ALL_OPTIONS)));

@@ -14,15 +14,13 @@
 
 namespace fused_ce {
 
-using AllOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
 // fused_ce::_linear_cross_entropy, the op every front calls: (loss, lse, entropy, argmax), the last two
 // shaped like the target where asked for (return_entropy, return_argmax), else empty; vocabulary parallel
 // with a process_group (vocab_parallel.h).
-AllOutputs _linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-                                 const std::optional<at::Tensor>& linear_bias,
-                                 const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
-                                     FUSED_CE_LOW_RANK_PARAMS);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias,
+    const std::optional<at::Tensor>& weight FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS) FUSED_CE_LOW_RANK_PARAMS);
 
 // fused_ce::linear_cross_entropy, the public op, as a kernel of _linear_cross_entropy's (`all`: its CPU/CUDA or
 // its Autograd kernel): its options, the others at their defaults; (loss, lse).
@@ -92,6 +90,8 @@ linear_cross_entropy_with_grad(const at::Tensor& input, const at::Tensor& linear
                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                                std::array<bool, 3> output_mask FUSED_CE_PARAMS(FUSED_CE_ALL_OPTIONS)
                                    FUSED_CE_LOW_RANK_PARAMS);
+
+using AllOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // _linear_cross_entropy through the dispatcher, below autograd: (loss, lse, entropy, argmax).
 AllOutputs call_loss_op(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
