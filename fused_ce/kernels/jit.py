@@ -235,7 +235,8 @@ def prepare_rows(target, V, ignore_index, *, class_weight=None, label_smoothing=
                  has_class_weight=int(class_weight is not None), mean=int(mean), write_coefficients=int(coefficients),
                  write_order=int(order)),
             BLOCK=cfg.block, num_warps=cfg.num_warps)
-    bad, counted = (int(counts[_prepare_rows.COUNTS.index(name)]) for name in ("bad", "counted"))
+    values = counts.tolist()  # (one read of the device)
+    bad, counted = (values[_prepare_rows.COUNTS.index(name)] for name in ("bad", "counted"))
     return tgt_out, wt, totals, bad, counted, (tuple(coef) if coefficients else None), (rows if order else None)
 
 
