@@ -59,6 +59,24 @@ def make_inputs(N, D, V, device, dtype=torch.bfloat16, seed=0, ignored=0.1, mask
     return x, w, t
 
 
+def peaked_inputs(N, D, V, scale, device, dtype=torch.bfloat16, seed=0, ignored=0.1, others=7, zipf=1.1):
+    """Inputs whose softmax is peaked as a trained model's: W ~ N(0, 1/D) (rows of norm ~1), targets by
+    zipf_targets, each row's hidden state `scale` times its target's row of W plus `others` other tokens' rows (drawn
+    by the same law) at weights U(0, 1), plus N(0, 0.3^2) noise per feature; a fraction `ignored` of
+    targets set to -100 (at random rows). The larger the scale, the more of the softmax sits on the target and on
+    the few others: a trained head's shape of gradient (../shared notes: 2026-12-04's construction)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    w = torch.randn(V, D, device=device, generator=g) / math.sqrt(D)
+    t = zipf_targets(N, V, zipf, g)
+    other = zipf_targets(N * others, V, zipf, g).view(N, others)
+    weight = torch.rand(N, others, device=device, generator=g)
+    x = scale * (w[t] + torch.einsum("no,nod->nd", weight, w[other]))
+    x += 0.3 * torch.randn(N, D, device=device, generator=g)
+    t[torch.rand(N, device=device, generator=g) < ignored] = -100
+    return x.to(dtype), w.to(dtype), t
+
+
 def cuda_time_ms(fn, warmup, repeat):
     for _ in range(warmup):
         fn()

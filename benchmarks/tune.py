@@ -72,62 +72,80 @@ def interleaved_ms(cases, warmup, repeat, before=None):
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
-# block_n, block_v, block_d, num_warps, num_stages: the tiles of grad_filter_eps's mask and products
-GRAD_TILES = [
-    (64, 128, 128, 4, 3),
-    (64, 128, 128, 8, 3),
-    (128, 128, 128, 8, 3),
-    (64, 128, 256, 8, 3),
-    (128, 256, 128, 8, 3),
-    (128, 128, 64, 4, 4),
-    (64, 64, 128, 4, 4),
+# grad_filter_eps's products over a block's live tiles: dX's (the mask's row tiles joined per program, features per
+# program, K step, warps, stages) and dW's (features, K step, warps, stages); the first of each is step 61's tiling
+GRAD_INPUT_TILES = [
+    (1, 128, 128, 4, 3),
+    (1, 256, 64, 4, 3),
+    (1, 256, 64, 8, 3),
+    (2, 128, 64, 4, 4),
+    (2, 256, 64, 8, 3),
+    (2, 256, 64, 8, 4),
+    (2, 256, 32, 8, 5),
+]
+GRAD_WEIGHT_TILES = [
+    (128, 64, 4, 3),
+    (128, 64, 8, 4),
+    (256, 64, 8, 3),
+    (256, 64, 8, 4),
+    (256, 32, 8, 5),
+    (128, 32, 4, 4),
 ]
 
 
-def grad_tile_cases(cfg, density, x, w):
-    """The timed calls of one tiling and share of live tiles over a block of x's rows (a synthetic gradient whose
-    live tiles hold N(0, 1) entries, the others 1e-6, under a threshold of 1e-3), and the live share realised."""
-    from fused_ce.kernels import jit
+def grad_tile_rows(shape, scale, warmup, repeat, block_rows):
+    """tune_grad_tiles' rows at one scale."""
+    from common import peaked_inputs
+    from fused_ce.kernels import configs, jit
 
-    (N, D), V = x.shape, w.shape[0]
-    live = torch.rand(-(-N // cfg.block_n), -(-V // cfg.block_v), device=x.device) < density
-    keep = live.repeat_interleave(cfg.block_n, 0).repeat_interleave(cfg.block_v, 1)[:N, :V]
-    g = torch.where(keep, torch.randn(N, V, device=x.device), 1e-6).to(x.dtype)
-    threshold = torch.full((N,), 1e-3, device=x.device)
-    target = torch.full((N,), -1, device=x.device, dtype=torch.int64)
-    mask = jit.grad_tile_mask(g, threshold, target, config=cfg)
-    acc = torch.zeros(V, D, device=x.device)
-    dw = torch.zeros(V, D, device=x.device, dtype=x.dtype)
-    # the library's parts of dX's live lists (cuda_grad_tiles.cpp: 4 programs an SM, at most 8 parts)
-    tiles = -(-N // cfg.block_n) * -(-D // cfg.block_d)
-    splits = max(1, min(8, -(-4 * torch.cuda.get_device_properties(x.device).multi_processor_count // tiles)))
-    cases = {
-        "mask": lambda: jit.grad_tile_mask(g, threshold, target, config=cfg),
-        f"dX sparse, {splits} parts": lambda: jit.sparse_grad_input(g, w, mask, splits=splits, config=cfg),
-        "dX sparse, 1 part": lambda: jit.sparse_grad_input(g, w, mask, config=cfg),
-        "dW sparse into bf16": lambda: jit.sparse_grad_weight_(dw, g, x, mask, config=cfg),
-        "dW sparse into fp32": lambda: jit.sparse_grad_weight_(acc, g, x, mask, config=cfg),
-        "dX cuBLAS dense": lambda: g @ w,
-        "dW cuBLAS dense": lambda: dw.addmm_(g.T, x),
-    }
-    return cases, mask.float().mean().item()
+    N, D, V = SHAPES[shape]
+    rows = min(N, block_rows)
+    tile = configs.ARCH_CONSTANTS[0]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x, w, t = peaked_inputs(rows, D, V, scale, "cuda", ignored=0)
+    g = torch.softmax((x @ w.T).float(), -1)
+    g[torch.arange(rows, device="cuda"), t] -= 1
+    g = g.to(x.dtype)
+    threshold = torch.full((rows,), 2.0**-12, device="cuda")
+    mask_cfg = configs.config("grad_tiles", jit._arch(x), "bf16", "grad_tile_mask")
+    mask = jit.grad_tile_mask(g, threshold, t, config=mask_cfg)
+    dw = torch.zeros(V, D, device="cuda", dtype=x.dtype)
+    cases, live = {}, {}
+    for tiling in GRAD_INPUT_TILES:
+        joined, *product = tiling
+        cfg = configs.GradTileConfig(joined * tile.filter_tile_rows, tile.filter_tile_cols, *product)
+        programs = -(-rows // cfg.block_n) * -(-D // cfg.block_d)
+        splits = max(1, min(8, -(-4 * sms // programs)))  # (cuda_grad_tiles.cpp's rule)
+        name = f"dX {tiling}"
+        cases[name] = lambda cfg=cfg, splits=splits: jit.sparse_grad_input(
+            g, w, mask, splits=splits, tile_rows=tile.filter_tile_rows, config=cfg)  # fmt: skip
+        live[name] = jit.join_row_tiles(mask, joined).float().mean().item()
+    for tiling in GRAD_WEIGHT_TILES:
+        cfg = configs.GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, *tiling)
+        name = f"dW {tiling}"
+        cases[name] = lambda cfg=cfg: jit.sparse_grad_weight_(dw, g, x, mask, config=cfg)
+        live[name] = mask.float().mean().item()
+    cases["mask"] = lambda: jit.grad_tile_mask(g, threshold, t, config=mask_cfg)
+    cases["dX cuBLAS dense"] = lambda: g @ w
+    cases["dW cuBLAS dense"] = lambda: dw.addmm_(g.T, x)
+    out = []
+    for name, ms in interleaved_ms(cases, warmup, repeat).items():
+        share = live.get(name, 1.0)
+        flops = 0 if name == "mask" else 2 * rows * D * V * share
+        out.append(dict(scale=scale, rows=rows, case=name, live=share, ms=ms, tflops=flops / ms / 1e9))
+    return out
 
 
-def tune_grad_tiles(x, w, warmup, repeat, block_rows=2048, densities=(0.1, 0.3, 1.0)):
-    """grad_filter_eps's products over a block's live tiles (JIT) at each tiling and share of live tiles, against
-    cuBLAS's dense dX and dW of the same block; the mask kernel's pass over it."""
-    from fused_ce.kernels import configs
-
-    xb = x[:block_rows].contiguous()
-    dense_flops = 2 * xb.shape[0] * xb.shape[1] * w.shape[0]
-    rows = []
-    for density in densities:
-        for tiling in GRAD_TILES:
-            cases, live = grad_tile_cases(configs.GradTileConfig(*tiling), density, xb, w)
-            for name, ms in interleaved_ms(cases, warmup, repeat).items():
-                flops = 0 if name == "mask" else dense_flops * (live if "sparse" in name else 1.0)
-                rows.append(dict(config=tiling, density=live, case=name, ms=ms, tflops=flops / ms / 1e9))
-    return rows
+def tune_grad_tiles(shape, warmup, repeat, block_rows=8192, scales=(14, 20)):
+    """grad_filter_eps's mask and products over one row block's live tiles (JIT) at each tiling, on the gradient of
+    peaked logits (common.peaked_inputs at each scale, every row counted: G = softmax - one-hot, the threshold
+    2^-12), against cuBLAS's dense dX and dW of the same block. The live share is the mask's (64 x 128 tiles) or,
+    for dX, its joined tiles'."""
+    out = []
+    for scale in scales:
+        out += grad_tile_rows(shape, scale, warmup, repeat, block_rows)
+        torch.cuda.empty_cache()
+    return out
 
 
 def tune_row_stats(x, w, t, warmup, repeat):
@@ -417,7 +435,7 @@ def main():
     parts = args.parts.split(",")
     N, D, V = SHAPES[args.shape]
     # (the overlap part makes its own, per shape)
-    if {"row_stats", "softmax_grad", "passes", "partials", "grad_tiles"} & set(parts):
+    if {"row_stats", "softmax_grad", "passes", "partials"} & set(parts):
         x, w, t = make_inputs(N, D, V, "cuda")
         kernel_t = torch.where(t < 0, -1, t)  # the kernels' convention for ignored rows
     env = environment()
@@ -454,10 +472,13 @@ def main():
         for r in sorted(result["partials"], key=lambda r: (r["kind"], r["ms"])):
             print(f"  {r['kind']:8s} {str(r['config']):14s} {r['ms']:.3f} ms  {r['tb_per_s']:.2f} TB/s")
     if "grad_tiles" in parts:
-        result["grad_tiles"] = tune_grad_tiles(x, w, args.warmup, args.repeat)
-        print("grad_filter_eps's products over a 2048-row block's live tiles (JIT) and cuBLAS's dense ones:")
+        result["grad_tiles"] = tune_grad_tiles(args.shape, args.warmup, args.repeat)
+        print(
+            "grad_filter_eps's mask and products over a row block's live tiles (JIT), peaked logits, and cuBLAS's "
+            "dense products; dX (joined, features, K, warps, stages), dW (features, K, warps, stages):"
+        )
         for r in result["grad_tiles"]:
-            print(f"  live {r['density']:.1f} {str(r['config']):24s} {r['case']:16s} {r['ms']:7.3f} ms  "
+            print(f"  scale {r['scale']} {r['rows']} rows  {r['case']:28s} live {r['live']:.3f} {r['ms']:7.3f} ms  "
                   f"{r['tflops']:5.0f} TFLOP/s of live work")  # fmt: skip
     per_shape = {  # the parts that make their own inputs per shape: (function, title, a row's line)
         "overlap": (

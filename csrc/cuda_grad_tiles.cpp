@@ -16,13 +16,13 @@ bool aligned16_rows(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 16 == 0;
 }
 
-// The kernel's variant for g's dtype: "aligned" where g, every tensor of `rest` and D fit its assumptions.
+// The kernel's variant for g's dtype: "aligned" where g, every tensor of `rest`, V and D fit its assumptions.
 const KernelVariant& grad_tiles_variant(const char* kernel, const at::Tensor& g, std::initializer_list<at::Tensor> rest,
                                         int64_t D) {
   const char* dtype = cuda_kernel_dtype(g.scalar_type());
   TORCH_CHECK(dtype != nullptr, "fused_ce: ", kernel, " has no kernel for ", g.scalar_type());
   const int arch = device_arch(g.device().index());
-  bool fits = aligned16_rows(g) && D % 16 == 0;
+  bool fits = aligned16_rows(g) && g.size(1) % 16 == 0 && D % 16 == 0;
   for (const at::Tensor& t : rest) fits = fits && aligned16_rows(t);
   const KernelVariant* aligned = fits ? find_variant(kernel, dtype, "aligned", arch) : nullptr;
   const KernelVariant* v = aligned != nullptr ? aligned : find_variant(kernel, dtype, "general", arch);
@@ -56,6 +56,10 @@ void cuda_grad_tile_mask(const at::Tensor& g, const at::Tensor& threshold, const
   a.stride_gn = g.stride(0);
   a.mask_cols = mask.size(1);
   launch(v, g.device(), a);
+}
+
+int64_t cuda_sparse_grad_input_rows(const at::Tensor& g, int64_t D) {
+  return grad_tiles_variant("sparse_grad_input", g, {}, D).block_n;
 }
 
 void cuda_sparse_grad_input(const at::Tensor& g, const at::Tensor& w, const at::Tensor& out, const LiveTiles& live,

@@ -67,7 +67,9 @@ void cuda_grad_tile_mask(const at::Tensor& g, const at::Tensor& threshold, const
 struct LiveTiles {
   at::Tensor index, count;
 };
-// out ([N, D] float32) = alpha * g @ w over the tiles of g live in its row tiles' lists (w [V, D]).
+// out ([N, D] float32) = alpha * g @ w over the tiles of g live in its row tiles' lists (w [V, D]); its row tiles are
+// cuda_sparse_grad_input_rows(g, D) rows (a multiple of the mask's: their lists joined, join_row_tiles).
+int64_t cuda_sparse_grad_input_rows(const at::Tensor& g, int64_t D);
 void cuda_sparse_grad_input(const at::Tensor& g, const at::Tensor& w, const at::Tensor& out, const LiveTiles& live,
                             double alpha);
 // dw ([V, D] float32 or g's dtype) += alpha * g.T @ x over the tiles of g live in its vocabulary tiles' lists

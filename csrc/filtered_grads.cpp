@@ -54,6 +54,30 @@ std::pair<at::Tensor, at::Tensor> sums_by_target(const at::Tensor& target, const
   return {running.mul_(last.unsqueeze(1)).to(at::kFloat), sorted};
 }
 
+// A tile mask whose row tiles are `factor` of mask's (their tiles live where any of them is): the live lists of a
+// product over larger row tiles.
+at::Tensor join_row_tiles(const at::Tensor& mask, int64_t factor) {
+  if (factor == 1) return mask;
+  const int64_t rows = (mask.size(0) + factor - 1) / factor;
+  return at::constant_pad_nd(mask, {0, 0, 0, rows * factor - mask.size(0)}, 0)
+      .view({rows, factor, mask.size(1)})
+      .amax(1)
+      .contiguous();
+}
+
+// Each row's target entry of the block where `mask` (in tiles of tile_rows x tile_cols) skips its tile, else 0: the
+// term added apart from that product.
+at::Tensor skipped_target_entries(const Problem& pr, const at::Tensor& block, const at::Tensor& mask, int64_t tile_rows,
+                                  int64_t tile_cols) {
+  const int64_t n = block.size(0);
+  const at::Tensor target = pr.target.clamp_min(0);
+  const at::Tensor tile =
+      at::arange(n, pr.target.options()).floor_divide_(tile_rows).mul_(mask.size(1)) + target.floor_divide(tile_cols);
+  const at::Tensor skipped = pr.target.ge(0).logical_and_(mask.reshape({-1}).index_select(0, tile).eq(0));
+  return at::where(skipped, block.gather(1, target.unsqueeze(1)).squeeze(1).to(at::kFloat),
+                   at::zeros({}, block.options().dtype(at::kFloat)));
+}
+
 // The live tiles of each row of `mask` first, and their count.
 LiveTiles live_tiles(const at::Tensor& mask) {
   return {std::get<1>(mask.sort(/*stable=*/true, 1, /*descending=*/true)).to(at::kInt).contiguous(),
@@ -77,13 +101,8 @@ void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoeffic
   } else {
     mask = aten_tile_mask(block, threshold, pr.target, tile_rows, tile_cols);
   }
-  // The targets' entries of skipped tiles: each such row's own term, added apart from the products.
+  // (the rows' targets, whose entries in the tiles a product skips are added apart: skipped_target_entries)
   const at::Tensor target = pr.target.clamp_min(0);
-  const at::Tensor tile =
-      at::arange(n, pr.target.options()).floor_divide_(tile_rows).mul_(mask.size(1)) + target.floor_divide(tile_cols);
-  const at::Tensor skipped = pr.target.ge(0).logical_and_(mask.view({-1}).index_select(0, tile).eq(0));
-  const at::Tensor target_entry = at::where(skipped, block.gather(1, target.unsqueeze(1)).squeeze(1).to(at::kFloat),
-                                            at::zeros({}, threshold.options()));
   const at::Tensor x = pr.x.to(block.scalar_type());
   at::Tensor kept;  // (ATen: the block with its skipped tiles zeroed, targets included)
   if (!kernels) {
@@ -95,11 +114,15 @@ void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoeffic
   }
   if (gx.defined()) {
     at::Tensor sum = at::empty({n, pr.D}, block.options().dtype(at::kFloat));
+    // (CUDA: dX's row tiles join several of the mask's, so that a tile of W read once serves more rows)
+    const int64_t rows = kernels ? cuda_sparse_grad_input_rows(block, pr.D) : tile_rows;
+    const at::Tensor input_mask = join_row_tiles(mask, rows / tile_rows);
     if (kernels) {
-      cuda_sparse_grad_input(block, pr.w, sum, live_tiles(mask), input_alpha);
+      cuda_sparse_grad_input(block, pr.w, sum, live_tiles(input_mask), input_alpha);
     } else {
       gemm_into(sum, kept, pr.w, /*accumulate=*/false, input_alpha);
     }
+    const at::Tensor target_entry = skipped_target_entries(pr, block, input_mask, rows, tile_cols);
     sum.add_(pr.w.index_select(0, target).to(at::kFloat).mul_(target_entry.unsqueeze(1)), input_alpha);
     gx.copy_(sum);
   }
@@ -109,6 +132,7 @@ void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoeffic
     } else {
       gemm_into(gw, kept.t(), x, accumulate_weight, weight_alpha);
     }
+    const at::Tensor target_entry = skipped_target_entries(pr, block, mask, tile_rows, tile_cols);
     const auto [sums, targets] = sums_by_target(target, x, target_entry);
     gw.index_add_(0, targets, sums.mul_(weight_alpha).to(gw.scalar_type()));
   }

@@ -412,7 +412,8 @@ def test_grad_tiles_mask_and_sparse_products(dtype):
     then dX and dW over the live tiles alone, against ATen on the same tiles (tails in rows, classes, features)."""
     cfg = configs.INTERPRETER["grad_tiles"] if DEVICE == "cpu" else configs.config("grad_tiles", jit._arch(
         torch.empty(0, device=DEVICE)), "fp32" if dtype == torch.float32 else "fp16")  # fmt: skip
-    N, V, D = 3 * cfg.block_n + 5, 4 * cfg.block_v + 7, 2 * cfg.block_d + 3
+    dx_rows = jit._config(jit._sparse_grad_input, torch.empty(0, device=DEVICE, dtype=dtype)).block_n
+    N, V, D = 3 * dx_rows + cfg.block_n + 5, 4 * cfg.block_v + 7, 2 * cfg.block_d + 3
     g = torch.randn(N, V, device=DEVICE) * 1e-4
     live = torch.rand(-(-N // cfg.block_n), -(-V // cfg.block_v), device=DEVICE) < 0.3
     expand = live.repeat_interleave(cfg.block_n, 0).repeat_interleave(cfg.block_v, 1)[:N, :V]
@@ -430,13 +431,23 @@ def test_grad_tiles_mask_and_sparse_products(dtype):
     padded[:N, :V] = above
     want = padded.view(live.shape[0], cfg.block_n, live.shape[1], cfg.block_v).any(3).any(1)
     assert torch.equal(mask.bool(), want) and 0 < want.float().mean() < 1
-    kept = torch.where(want.repeat_interleave(cfg.block_n, 0).repeat_interleave(cfg.block_v, 1)[:N, :V],
-                       g.double(), 0)  # fmt: skip
+
+    def kept_by(tiles, tile_rows):
+        expanded = tiles.bool().repeat_interleave(tile_rows, 0).repeat_interleave(cfg.block_v, 1)[:N, :V]
+        return torch.where(expanded, g.double(), 0)
+
+    kept = kept_by(want, cfg.block_n)
+    # dX's row tiles join dx_rows // block_n of the mask's (a tile of W read once serves them all): it reads the
+    # tiles live in any of them, so more than the mask's, and still not every tile
+    joined = jit.join_row_tiles(mask, dx_rows // cfg.block_n)
+    assert joined.shape[0] == -(-N // dx_rows) and 0 < joined.float().mean() < 1
+    if dx_rows > cfg.block_n:
+        assert joined.float().mean() > mask.float().mean()
     w, x = torch.randn(V, D, device=DEVICE).to(dtype), torch.randn(N, D, device=DEVICE).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for splits in (1, 3):  # (3: a part of a row tile's live list may be empty)
         dx = jit.sparse_grad_input(g, w, mask, alpha=0.5, splits=splits)
-        torch.testing.assert_close(dx.double(), 0.5 * kept @ w.double(), rtol=tol, atol=tol)
+        torch.testing.assert_close(dx.double(), 0.5 * kept_by(joined, dx_rows) @ w.double(), rtol=tol, atol=tol)
     acc = torch.randn(V, D, device=DEVICE)
     want_acc = acc.double() + 0.25 * kept.T @ x.double()
     torch.testing.assert_close(jit.sparse_grad_weight_(acc, g, x, mask, alpha=0.25).double(), want_acc, rtol=tol,

@@ -90,7 +90,7 @@ def variant_spec(name, dtype, layout, arch):
         blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d)
     elif spec.family == "grad_tiles":
         constexprs = {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d,
-                      "DOT_PRECISION": configs.dot_precision(dtype)}  # fmt: skip
+                      "BLOCK_K": cfg.block_k, "DOT_PRECISION": configs.dot_precision(dtype)}  # fmt: skip
         blocks = dict(block_n=cfg.block_n, block_v=cfg.block_v, block_d=cfg.block_d)
     else:
         constexprs = {"BLOCK": cfg.block}

@@ -25,9 +25,10 @@ class TileConfig:  # family "dot_tiles": tl.dot tiles of logits
 
 @dataclass(frozen=True)
 class GradTileConfig:  # family "grad_tiles": a block's gradient in tiles of block_n rows x block_v classes
-    block_n: int
+    block_n: int  # (sparse_grad_input: rows per program, a multiple of the filter tile's, whose live lists it joins)
     block_v: int
     block_d: int  # features per program of the products over the live tiles
+    block_k: int  # the products' K step: rows (dW) or classes (dX) of a live tile per tl.dot
     num_warps: int
     num_stages: int
 
@@ -60,10 +61,11 @@ _DOT_TILES_FP32 = {
     120: TileConfig(64, 64, 32, 16, 4, 3),
 }
 
-# Small tiles for the CPU interpreter (tests): fast there and exercise tails.
+# Small tiles for the CPU interpreter (tests), per family or kernel: fast there and exercise tails.
 INTERPRETER = {
     "dot_tiles": TileConfig(16, 32, 16, 2, 4, 1),
-    "grad_tiles": GradTileConfig(16, 32, 16, 4, 1),
+    "grad_tiles": GradTileConfig(16, 32, 16, 8, 4, 1),
+    "sparse_grad_input": GradTileConfig(32, 32, 16, 8, 4, 1),  # (two of the mask's row tiles joined)
     "stored_logits": RowConfig(32, 4, rows=4),
     "combine": RowConfig(2, 4, rows=4),  # 2 segments per step: several steps in tests
     "elementwise": RowConfig(64, 4),
@@ -72,9 +74,10 @@ INTERPRETER = {
 }
 
 
-# Half-precision products over a block's live tiles (grad_filter_eps) on the larger parts, per kernel: features
-# per program, warps, stages (benchmarks/LOG.md, step 61).
-GRAD_TILE_PRODUCTS = {"sparse_grad_input": (128, 4, 3), "sparse_grad_weight": (128, 4, 3)}
+# Half-precision products over a block's live tiles (grad_filter_eps) on the larger parts, per kernel: filter tiles
+# of rows per program (dX: a program joins the live lists of that many row tiles: a W tile read once serves more
+# rows), features per program, K step, warps, stages (benchmarks/LOG.md, step 67).
+GRAD_TILE_PRODUCTS = {"sparse_grad_input": (2, 256, 64, 8, 3), "sparse_grad_weight": (1, 256, 64, 8, 3)}
 
 
 def config(family: str, arch: int, dtype: str, kernel: str = ""):
@@ -93,9 +96,10 @@ def config(family: str, arch: int, dtype: str, kernel: str = ""):
         tile = ARCH_CONSTANTS[0]
         small = arch in (86, 89, 120)  # ~99 KB of shared memory per block
         if dtype == "fp32" or small:
-            return GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, 64, 4, 2)
-        products = GRAD_TILE_PRODUCTS.get(kernel, (128, 4, 3))  # (the mask: its tile alone matters)
-        return GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, *products)
+            return GradTileConfig(tile.filter_tile_rows, tile.filter_tile_cols, 64, 32, 4, 2)
+        # (the mask: its tile alone matters, read in slices of 64 rows)
+        row_tiles, *products = GRAD_TILE_PRODUCTS.get(kernel, (1, 128, 64, 4, 1))
+        return GradTileConfig(row_tiles * tile.filter_tile_rows, tile.filter_tile_cols, *products)
     if family == "elementwise":  # 16 bytes per thread per access
         return RowConfig(4096 if dtype != "fp32" else 2048, 8)
     if family == "rows":  # one program over all rows: per-row bookkeeping

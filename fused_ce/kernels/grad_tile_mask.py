@@ -19,7 +19,7 @@ SPEC = KernelSpec(
     ),
     family="grad_tiles",
     grid="cdiv(N, ROWS) * cdiv(V, COLS)",
-    divisible_by_16=frozenset({"g_ptr", "stride_gn"}),
+    divisible_by_16=frozenset({"g_ptr", "stride_gn", "V"}),
 )
 
 
@@ -27,19 +27,23 @@ SPEC = KernelSpec(
 def grad_tile_mask_kernel(
     g_ptr, thr_ptr, tgt_ptr, mask_ptr,
     N, V, stride_gn, mask_cols,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     col_tiles = tl.cdiv(V, BLOCK_V)
     m = pid // col_tiles
     k = pid % col_tiles
-    rows = m.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = k.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < N
-    g = tl.load(g_ptr + rows[:, None] * stride_gn + cols[None, :], mask=row_mask[:, None] & (cols < V)[None, :],
-                other=0.0).to(tl.float32)
-    thr = tl.load(thr_ptr + rows, mask=row_mask, other=float("inf"))
-    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-    above = (tl.abs(g) >= thr[:, None]) & (cols[None, :] != tgt[:, None])
-    live = tl.max(tl.max(above.to(tl.int32), axis=1), axis=0)
+    col_mask = cols < V
+    live = 0
+    for r in tl.static_range(0, BLOCK_N, BLOCK_K):  # the tile in slices of BLOCK_K rows (registers)
+        rows = m.to(tl.int64) * BLOCK_N + r + tl.arange(0, BLOCK_K)
+        row_mask = rows < N
+        g = tl.load(g_ptr + rows[:, None] * stride_gn + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        thr = tl.load(thr_ptr + rows, mask=row_mask, other=float("inf"))
+        tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+        above = (tl.abs(g) >= thr[:, None]) & (cols[None, :] != tgt[:, None])
+        live = tl.maximum(live, tl.max(tl.max(above.to(tl.int32), axis=1), axis=0))
     tl.store(mask_ptr + m.to(tl.int64) * mask_cols + k, live)

@@ -63,7 +63,7 @@ def _config(module, t, config=None):
     if config is not None:
         return config
     if not t.is_cuda:
-        return configs.INTERPRETER[module.SPEC.family]
+        return configs.INTERPRETER.get(module.SPEC.name, configs.INTERPRETER[module.SPEC.family])
     return configs.config(module.SPEC.family, _arch(t), _DTYPES.get(t.dtype, "fp32"), module.SPEC.name)
 
 
@@ -281,7 +281,7 @@ def distill_rows(stage, zs, zt, stats, coef, target, *, divergence, beta=0.0, te
 
 
 def _grad_tile_meta(cfg, g):
-    return dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+    return dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, BLOCK_K=cfg.block_k,
                 DOT_PRECISION=configs.dot_precision(_DTYPES[g.dtype]), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
 
@@ -304,13 +304,24 @@ def live_tiles(mask):
     return order.contiguous(), mask.sum(1, dtype=torch.int32)
 
 
-def sparse_grad_input(g, w, mask, *, alpha=1.0, splits=1, config=None):
+def join_row_tiles(mask, factor):
+    """A tile mask whose row tiles are `factor` of mask's, live where any of them is (filtered_grads.cpp)."""
+    if factor == 1:
+        return mask
+    rows = -(-mask.shape[0] // factor)
+    padded = torch.nn.functional.pad(mask, (0, 0, 0, rows * factor - mask.shape[0]))
+    return padded.view(rows, factor, mask.shape[1]).amax(1).contiguous()
+
+
+def sparse_grad_input(g, w, mask, *, alpha=1.0, splits=1, tile_rows=None, config=None):
     """float32 [N, D]: alpha * g @ w over the tiles of g the mask marks live (the others read as zero), each row
-    tile's live list summed in `splits` parts."""
+    tile's live list summed in `splits` parts. The mask's tiles are `tile_rows` rows (by default grad_tile_mask's);
+    the kernel's row tiles join block_n // tile_rows of them."""
     cfg = _config(_sparse_grad_input, g, config)
+    tile_rows = tile_rows or _config(_grad_tile_mask, g).block_n
     N, V = g.shape
     out = torch.empty(splits, N, w.shape[1], dtype=torch.float32, device=g.device)
-    live, count = live_tiles(mask)
+    live, count = live_tiles(join_row_tiles(mask, cfg.block_n // tile_rows))
     _launch(_sparse_grad_input, dict(g_ptr=g, w_ptr=w, out_ptr=out, live_ptr=live, count_ptr=count, N=N, V=V,
                                      D=w.shape[1], stride_gn=g.stride(0), stride_wv=w.stride(0),
                                      stride_os=out.stride(0), stride_on=out.stride(1), live_cols=live.shape[1],

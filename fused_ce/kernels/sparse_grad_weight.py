@@ -6,6 +6,9 @@ block's sum rounded once, as cuBLAS's accumulating GEMM does on the exact path).
 BLOCK_D tile over the row tiles its vocabulary tile lists as live (``live_ptr``: tile k's live row tiles first,
 ``count_ptr``: how many; from grad_tile_mask.py's mask, transposed) and adds it to dW's tile (``accumulate`` 1) or
 writes it there (0: the first block; a tile with no live row tile then writes zeros).
+
+One loop over (live row tile, BLOCK_K rows of it), as sparse_grad_input.py's: a GEMM's K loop gathered from the
+live list.
 """
 import triton
 import triton.language as tl
@@ -21,7 +24,7 @@ SPEC = KernelSpec(
     ),
     family="grad_tiles",
     grid="cdiv(V, COLS) * cdiv(D, DEPTH)",
-    divisible_by_16=frozenset({"g_ptr", "x_ptr", "stride_gn", "stride_xn", "D"}),
+    divisible_by_16=frozenset({"g_ptr", "x_ptr", "stride_gn", "stride_xn", "D", "V"}),
     flavors=(("in_dtype", (("IN_DTYPE", True),)),),
 )
 
@@ -31,9 +34,10 @@ def sparse_grad_weight_kernel(
     g_ptr, x_ptr, acc_ptr, out_ptr, live_ptr, count_ptr,
     N, V, D, stride_gn, stride_xn, stride_an,
     live_rows, alpha, accumulate,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IN_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IN_DTYPE: tl.constexpr,
 ):
+    STEPS: tl.constexpr = BLOCK_N // BLOCK_K  # K steps per live row tile
     pid = tl.program_id(0)
     d_tiles = tl.cdiv(D, BLOCK_D)
     k = pid // d_tiles
@@ -46,9 +50,10 @@ def sparse_grad_weight_kernel(
     col_mask = cols < V
     d_mask = dcols < D
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
-    for i in range(0, count):
-        m = tl.load(live_ptr + k.to(tl.int64) * live_rows + i).to(tl.int64)
-        rows = m * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_col = live_ptr + k.to(tl.int64) * live_rows
+    for j in range(0, count * STEPS):
+        m = tl.load(live_col + j // STEPS).to(tl.int64)
+        rows = m * BLOCK_N + (j % STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
         row_mask = rows < N
         g = tl.load(g_ptr + rows[:, None] * stride_gn + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
                     other=0.0)
