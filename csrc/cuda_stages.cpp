@@ -234,11 +234,18 @@ void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const Ro
 }
 
 void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
-                       bool smoothing) {
+                       bool smoothing, const at::Tensor& filter_mask, double filter_eps) {
   check_stored_logits(p, logits);
   check_row_output(p, lse);
-  const KernelVariant& v = stored_logits_flavor(c.alpha_z.defined() ? "softmax_grad_entropy" : "softmax_grad",
-                                                p.softcap.has_value() || smoothing, p, logits);
+  const bool transforms = p.softcap.has_value() || smoothing;
+  const bool filter = filter_mask.defined();
+  TORCH_CHECK(!filter || (!transforms && !c.alpha_z.defined() && filter_mask.scalar_type() == at::kInt &&
+                          filter_mask.is_contiguous() && p.col_offset == 0),
+              "fused_ce: softmax_grad marks filter tiles of a plain gradient's whole rows only");
+  const KernelVariant& v = stored_logits_flavor(filter                ? "softmax_grad_filter"
+                                                : c.alpha_z.defined() ? "softmax_grad_entropy"
+                                                                      : "softmax_grad",
+                                                transforms, p, logits);
   const int64_t segments = cdiv(p.V, v.block_v);
   SoftmaxGradArgs args;
   args.logits_ptr = logits;
@@ -260,6 +267,9 @@ void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Te
   args.has_class_weight = p.class_weight.defined();
   args.has_softcap = p.softcap.has_value();
   args.has_smoothing = smoothing;
+  args.mask_ptr = filter_mask;
+  args.mask_cols = filter ? filter_mask.size(1) : 0;
+  args.filter_scale = static_cast<float>(filter_eps * std::fabs(p.logit_scale));
   launch(v, p.x.device(), args);
 }
 

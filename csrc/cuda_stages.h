@@ -39,9 +39,11 @@ void cuda_logit_grad(const Problem& p, const GradCoefficients& c, int64_t v_begi
 // are: logit_partials.py, then combine_partials.py.
 void cuda_stats_from_logits(const Problem& p, const at::Tensor& logits, const RowStats& out);
 // cuda_softmax_grad overwrites them with g, given the rows' lse (c.lse unused);
-// `p` may be a vocabulary slice (Problem::cols) of the rows (softmax_grad.py).
+// `p` may be a vocabulary slice (Problem::cols) of the rows (softmax_grad.py). With `filter_mask` (zeros, as
+// cuda_grad_tile_mask's `mask`; not with the softcap, smoothing or the entropy's term) it also marks the tiles
+// cuda_grad_tile_mask would at grad_filter_eps `filter_eps`, while the gradient is on chip (the flavor filter).
 void cuda_softmax_grad(const Problem& p, const GradCoefficients& c, const at::Tensor& lse, const at::Tensor& logits,
-                       bool smoothing);
+                       bool smoothing, const at::Tensor& filter_mask = at::Tensor(), double filter_eps = 0.0);
 
 // linear_distillation_loss's block (distillation_cuda.cpp): the raw logits of p's student head and of its
 // teacher's ([k, V] in the input dtype; zt undefined with the teacher's top k), the kernel's row values

@@ -17,12 +17,13 @@ at::Tensor thresholds(const Problem& pr, const GradCoefficients& c, double eps) 
   return alpha.abs().mul_(eps * std::fabs(pr.logit_scale)).contiguous();
 }
 
-// grad_tile_mask's answer by ATen: 1 where a tile has an entry other than its row's target at or above its row's
-// threshold.
+// grad_tile_mask's answer by ATen: 1 where a tile has a nonzero entry other than its row's target at or above its
+// row's threshold.
 at::Tensor aten_tile_mask(const at::Tensor& block, const at::Tensor& threshold, const at::Tensor& target,
                           int64_t tile_rows, int64_t tile_cols) {
   const int64_t n = block.size(0), v = block.size(1);
-  at::Tensor above = block.abs().to(at::kFloat).ge(threshold.unsqueeze(1));
+  const at::Tensor magnitude = block.abs().to(at::kFloat);
+  at::Tensor above = magnitude.ge(threshold.unsqueeze(1)).logical_and_(magnitude.gt(0));
   const at::Tensor col = target.clamp_min(0).unsqueeze(1);
   above.scatter_(1, col, above.gather(1, col).logical_and(target.lt(0).unsqueeze(1)));
   const int64_t row_tiles = (n + tile_rows - 1) / tile_rows, col_tiles = (v + tile_cols - 1) / tile_cols;
@@ -86,20 +87,29 @@ LiveTiles live_tiles(const at::Tensor& mask) {
 
 }  // namespace
 
+at::Tensor filter_tile_mask(const Problem& pr, const Plan& plan, const GradCoefficients& c, bool smoothing,
+                            int64_t rows) {
+  if (plan.strategy != Strategy::StoredLogits || pr.softcap.has_value() || smoothing || c.alpha_z.defined()) {
+    return at::Tensor();
+  }
+  const int64_t tile_rows = plan.device.constants.filter_tile_rows, tile_cols = plan.device.constants.filter_tile_cols;
+  return at::zeros({(rows + tile_rows - 1) / tile_rows, (pr.V + tile_cols - 1) / tile_cols},
+                   pr.x.options().dtype(at::kInt));
+}
+
 void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoefficients& c, double eps,
-                          const at::Tensor& block, const at::Tensor& gx, double input_alpha, const at::Tensor& gw,
-                          bool accumulate_weight, double weight_alpha) {
+                          const at::Tensor& block, const at::Tensor& marked, const at::Tensor& gx, double input_alpha,
+                          const at::Tensor& gw, bool accumulate_weight, double weight_alpha) {
   const int64_t tile_rows = plan.device.constants.filter_tile_rows, tile_cols = plan.device.constants.filter_tile_cols;
   const int64_t n = block.size(0);
-  const at::Tensor threshold = thresholds(pr, c, eps);
   const bool kernels = plan.strategy == Strategy::StoredLogits;
-  at::Tensor mask;
-  if (kernels) {
+  at::Tensor mask = marked;
+  if (!mask.defined() && kernels) {
     mask = at::empty({(n + tile_rows - 1) / tile_rows, (pr.V + tile_cols - 1) / tile_cols},
                      block.options().dtype(at::kInt));
-    cuda_grad_tile_mask(block, threshold, pr.target, mask, tile_rows, tile_cols);
-  } else {
-    mask = aten_tile_mask(block, threshold, pr.target, tile_rows, tile_cols);
+    cuda_grad_tile_mask(block, thresholds(pr, c, eps), pr.target, mask, tile_rows, tile_cols);
+  } else if (!mask.defined()) {
+    mask = aten_tile_mask(block, thresholds(pr, c, eps), pr.target, tile_rows, tile_cols);
   }
   // (the rows' targets, whose entries in the tiles a product skips are added apart: skipped_target_entries)
   const at::Tensor target = pr.target.clamp_min(0);

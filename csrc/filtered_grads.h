@@ -18,8 +18,14 @@ namespace fused_ce {
 // `block` ([rows, V] in the plan's logits dtype, coefficients `c` with the rows' lse): gx (dX's rows in their dtype;
 // undefined: not asked for) = input_alpha * block @ w, and gw (dW [V, D] in the plan's dW dtype; undefined: not asked
 // for) += weight_alpha * block.T @ x over the live tiles (`accumulate_weight` false: the first block, written).
+// `mask`: the block's tile mask where softmax_grad marked it (filter_tile_mask), else undefined (formed here).
 void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoefficients& c, double eps,
-                          const at::Tensor& block, const at::Tensor& gx, double input_alpha, const at::Tensor& gw,
-                          bool accumulate_weight, double weight_alpha);
+                          const at::Tensor& block, const at::Tensor& mask, const at::Tensor& gx, double input_alpha,
+                          const at::Tensor& gw, bool accumulate_weight, double weight_alpha);
+
+// A zeroed tile mask for softmax_grad to mark a block of `rows` rows with (cuda_softmax_grad), where it can (CUDA's
+// stored logits; a plain gradient: no softcap, smoothing or entropy term); else undefined.
+at::Tensor filter_tile_mask(const Problem& pr, const Plan& plan, const GradCoefficients& c, bool smoothing,
+                            int64_t rows);
 
 }  // namespace fused_ce

@@ -67,7 +67,7 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     const int64_t r1 = std::min(p.N, r0 + rows);
     const Problem pr = stored.block(r0, r1);
     const RowStats block_stats = s.block(r0, r1);
-    at::Tensor block;
+    at::Tensor block, filter_mask;
     GradCoefficients cr;  // (the block's, with its lse)
     if (stored_logits) {
       block = logits_buffer.narrow(0, 0, r1 - r0);
@@ -75,7 +75,9 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
       cuda_stats_from_logits(pr, block, block_stats);
       if (o.vocab_parallel()) combine_vocab_shards(pr, block_stats, o);
       cr = c.block(r0, r1, block_stats);
-      cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel);
+      // (grad_filter_eps: the tile mask marked in the same pass, where the kernel can)
+      filter_mask = filter ? filter_tile_mask(pr, plan, cr, smoothing_in_kernel, r1 - r0) : at::Tensor();
+      cuda_softmax_grad(pr, cr, block_stats.lse, block, smoothing_in_kernel, filter_mask, o.grad_filter_eps);
     } else if (o.vocab_parallel() || c.needs_stats()) {  // the stats (over all shards) before the gradient: the
                                                          // logits twice (CPU)
       const RowStats part = aten_row_stats(pr, request, r1 - r0, plan.logits_product_dtype);
@@ -94,8 +96,8 @@ std::pair<RowStats, Grads> row_blocks(const Problem& p, const LossOptions& o, co
     cr.lse = block_stats.lse;
     at::Tensor gx = need[0] ? input_grad_rows(p, g.input, gx_buffer, r0, r1) : at::Tensor();
     if (filter) {
-      filtered_block_grads(pr, plan, cr, o.grad_filter_eps, block, gx, unscale, need[1] ? g.weight : at::Tensor(),
-                           r0 > 0, weight_alpha);
+      filtered_block_grads(pr, plan, cr, o.grad_filter_eps, block, filter_mask, gx, unscale,
+                           need[1] ? g.weight : at::Tensor(), r0 > 0, weight_alpha);
     } else {
       if (need[0] && rank_one) {
         at::addmm_out(gx, at::outer(neg_gamma.narrow(0, r0, r1 - r0).to(gemm_dtype), u), block, w);

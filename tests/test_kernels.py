@@ -407,6 +407,34 @@ def test_distill_rows(divergence, beta, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_softmax_grad_marks_the_filter_tiles(dtype):
+    """softmax_grad's flavor filter writes the same gradient and marks the same tiles as grad_tile_mask over the
+    gradient it stored (rows and classes with tails, ignored rows, a logit scale, a peaked softmax: some tiles
+    live, some not)."""
+    tile = jit._config(jit._grad_tile_mask, torch.empty(0, device=DEVICE, dtype=dtype))
+    N, V = 3 * tile.block_n + 5, 5 * tile.block_v + 7
+    t = torch.randint(0, V, (N,), device=DEVICE)
+    logits = torch.randn(N, V, device=DEVICE) * 0.5
+    logits[torch.arange(N, device=DEVICE), t] += 12  # peaked at the targets: the others below the threshold
+    hot = torch.rand(N, V, device=DEVICE) < 0.002
+    logits[hot] += 10  # but a few
+    t[::7] = -1  # (ignored rows: no coefficient, no nonzero entry, never a live tile)
+    logits = logits.to(dtype)
+    alpha = torch.where(t >= 0, 1 / N, 0.0).to(torch.float32)
+    zeros = torch.zeros(N, device=DEVICE)
+    scale, eps = 0.9, 2.0**-12
+    lse = jit.stats_from_logits(logits, t, logit_scale=scale)[0]
+    want = jit.softmax_grad(logits.clone(), t, lse, alpha, zeros, alpha, zeros, logit_scale=scale)
+    threshold = alpha.abs() * (eps * scale)
+    want_mask = jit.grad_tile_mask(want, threshold, t)
+    mask = torch.zeros_like(want_mask)
+    got = jit.softmax_grad(logits.clone(), t, lse, alpha, zeros, alpha, zeros, logit_scale=scale, filter_mask=mask,
+                           filter_eps=eps)  # fmt: skip
+    assert torch.equal(got, want)
+    assert torch.equal(mask, want_mask) and 0 < mask.float().mean() < 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_grad_tiles_mask_and_sparse_products(dtype):
     """grad_filter_eps's kernels: the tile mask (entries other than the targets at or above their row's threshold),
     then dX and dW over the live tiles alone, against ATen on the same tiles (tails in rows, classes, features)."""

@@ -98,6 +98,9 @@ def variant_spec(name, dtype, layout, arch):
             constexprs["BLOCK_R"] = cfg.rows
         if "FAST_TANH" in fn.arg_names:
             constexprs["FAST_TANH"] = configs.fast_tanh(dtype)
+        if "FILTER_ROWS" in fn.arg_names:  # grad_filter_eps's tiles (the mask's, csrc/filtered_grads.cpp)
+            grad_tiles = configs.config("grad_tiles", arch, dtype, "grad_tile_mask")
+            constexprs["FILTER_ROWS"], constexprs["FILTER_COLS"] = grad_tiles.block_n, grad_tiles.block_v
         blocks = dict(block_n=cfg.rows, block_v=cfg.block, block_d=0)
     constexprs.update(flavor_constexprs)
     if "BLOCK_R" in flavor_constexprs:  # a flavor with fewer rows per program (its registers)

@@ -1,9 +1,9 @@
 """Which tiles of a block of logit gradients hold an entry at or above its row's threshold (grad_filter_eps).
 
 Over a block's gradient G [N, V] (softmax_grad's output, in place of the logits), each program reads one
-BLOCK_N x BLOCK_V tile and writes 1 to its entry of ``mask`` [cdiv(N, BLOCK_N), mask_cols] where some entry
-other than its row's target has ``|G| >= thr`` (the row's threshold: grad_filter_eps times the row's
-coefficient of the probability, csrc/filtered_grads.cpp), else 0. The products over G (sparse_grad_input.py,
+BLOCK_N x BLOCK_V tile and writes 1 to its entry of ``mask`` [cdiv(N, BLOCK_N), mask_cols] where some nonzero
+entry other than its row's target has ``|G| >= thr`` (the row's threshold: grad_filter_eps times the row's
+coefficient of the probability, csrc/filtered_grads.cpp; a row without one, ignored, has no nonzero entry), else 0. The products over G (sparse_grad_input.py,
 sparse_grad_weight.py) then skip the tiles marked 0; the targets' entries of those tiles are added apart.
 """
 import triton
@@ -44,6 +44,6 @@ def grad_tile_mask_kernel(
                     other=0.0).to(tl.float32)
         thr = tl.load(thr_ptr + rows, mask=row_mask, other=float("inf"))
         tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-        above = (tl.abs(g) >= thr[:, None]) & (cols[None, :] != tgt[:, None])
+        above = (tl.abs(g) >= thr[:, None]) & (g != 0.0) & (cols[None, :] != tgt[:, None])
         live = tl.maximum(live, tl.max(tl.max(above.to(tl.int32), axis=1), axis=0))
     tl.store(mask_ptr + m.to(tl.int64) * mask_cols + k, live)

@@ -189,19 +189,27 @@ def stats_from_logits(logits, target, *, class_weight=None, logit_scale=1.0, sof
 
 
 def softmax_grad(logits, target, lse, alpha, alpha_lse, beta, gamma, *, col_offset=0, class_weight=None,
-                 logit_scale=1.0, softcap=None, smoothing=False, alpha_z=None, config=None):
+                 logit_scale=1.0, softcap=None, smoothing=False, alpha_z=None, filter_mask=None, filter_eps=0.0,
+                 config=None):
     """Stored raw logits of columns [col_offset, col_offset + V) become their gradient in place, given the rows'
     lse (cuda_softmax_grad); ``class_weight`` is the slice's own ([V]). With ``smoothing`` False, gamma is taken
-    as zero."""
+    as zero. ``filter_mask`` (zeros [cdiv(N, tile rows), cdiv(V, tile cols)] int32, grad_tile_mask's tiles): also
+    marks the tiles live at ``filter_eps`` (the flavor filter)."""
     N, V = logits.shape
     cfg = _config(_softmax_grad, logits, config)
+    tile = _config(_grad_tile_mask, logits)
     segments = triton.cdiv(V, cfg.block)
+    filtered = filter_mask is not None
     _launch(_softmax_grad,
             dict(cw_ptr=_placeholder(target, class_weight), tgt_ptr=target, lse_ptr=lse, alpha_ptr=alpha,
                  alpha_lse_ptr=alpha_lse, beta_ptr=beta, gamma_ptr=gamma, alpha_z_ptr=_placeholder(alpha, alpha_z),
                  N=N, V=V, segments=segments, col_offset=col_offset, has_class_weight=int(class_weight is not None),
+                 mask_ptr=filter_mask if filtered else torch.empty(1, dtype=torch.int32, device=logits.device),
+                 mask_cols=filter_mask.shape[1] if filtered else 0,
+                 filter_scale=float(filter_eps * abs(logit_scale)),
                  **_transform_args(logits, logit_scale, softcap, smoothing)),
-            **_tile_meta(cfg, logits), ALPHA_Z=alpha_z is not None, TRANSFORMS=softcap is not None or smoothing)
+            **_tile_meta(cfg, logits), ALPHA_Z=alpha_z is not None, TRANSFORMS=softcap is not None or smoothing,
+            FILTER=filtered, FILTER_ROWS=tile.block_n, FILTER_COLS=tile.block_v)  # fmt: skip
     return logits
 
 

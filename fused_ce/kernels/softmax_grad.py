@@ -13,6 +13,11 @@ workspaces, Strategy::VocabTiles in csrc/plan.h): targets are absolute class ind
 the slice's first class weight. Programs run in the reverse order of
 logit_partials', so the first tiles re-read are the last ones read there, still
 in L2.
+The flavor FILTER (grad_filter_eps, csrc/filtered_grads.h) also marks, while the gradient is on chip, the
+FILTER_ROWS x FILTER_COLS tiles of ``mask`` ([cdiv(N, FILTER_ROWS), mask_cols] int32, zeroed by the caller) that
+hold an entry other than its row's target whose stored value is at or above the row's coefficient of p times
+``filter_scale`` (grad_filter_eps times the logit scale's magnitude): grad_tile_mask.py's answer without a second
+read of the block.
 """
 import triton
 import triton.language as tl
@@ -29,6 +34,7 @@ SPEC = KernelSpec(
         ("N", "i64"), ("V", "i64"), ("stride_ln", "i64"), ("segments", "i64"), ("col_offset", "i64"),
         ("logit_scale", "fp32"), ("softcap", "fp32"),
         ("has_class_weight", "i32"), ("has_softcap", "i32"), ("has_smoothing", "i32"),
+        ("mask_ptr", "*i32"), ("mask_cols", "i64"), ("filter_scale", "fp32"),
     ),
     family="stored_logits",
     grid="cdiv(N, ROWS) * segments",
@@ -39,6 +45,7 @@ SPEC = KernelSpec(
         ("transforms", (("TRANSFORMS", True),)),
         ("entropy", (("ALPHA_Z", True), ("BLOCK_R", 2))),
         ("entropy_transforms", (("ALPHA_Z", True), ("TRANSFORMS", True), ("BLOCK_R", 2))),
+        ("filter", (("FILTER", True),)),
     ),
 )
 
@@ -50,8 +57,9 @@ def softmax_grad_kernel(
     N, V, stride_ln, segments, col_offset,
     logit_scale, softcap,
     has_class_weight, has_softcap, has_smoothing,
+    mask_ptr, mask_cols, filter_scale,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, FAST_TANH: tl.constexpr, ALPHA_Z: tl.constexpr,
-    TRANSFORMS: tl.constexpr,
+    TRANSFORMS: tl.constexpr, FILTER: tl.constexpr, FILTER_ROWS: tl.constexpr, FILTER_COLS: tl.constexpr,
 ):
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     seg = pid % segments
@@ -95,5 +103,16 @@ def softmax_grad_kernel(
         if has_softcap:
             t = z * (1.0 / softcap)  # tanh of the pre-cap logit
             g = g * (1.0 - t * t)
-    g = tl.where(active[:, None], g * logit_scale, 0.0)
-    tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+    g = tl.where(active[:, None], g * logit_scale, 0.0).to(logits_ptr.dtype.element_ty)
+    tl.store(ptrs, g, mask=mask)
+    if FILTER:  # (the stored value against grad_tile_mask.py's threshold: the same answer)
+        tl.static_assert(BLOCK % FILTER_COLS == 0 and FILTER_ROWS % BLOCK_R == 0)
+        threshold = tl.abs(alpha) * filter_scale
+        magnitude = tl.abs(g.to(tl.float32))
+        above = (magnitude >= threshold[:, None]) & (magnitude > 0.0) & (tl.arange(0, BLOCK)[None, :] != tgt[:, None])
+        above = above & mask
+        live = tl.max(tl.max(tl.reshape(above.to(tl.int32), (BLOCK_R, BLOCK // FILTER_COLS, FILTER_COLS)), axis=2),
+                      axis=0)
+        tiles = seg * (BLOCK // FILTER_COLS) + tl.arange(0, BLOCK // FILTER_COLS)
+        row_tile = (pid // segments).to(tl.int64) * BLOCK_R // FILTER_ROWS
+        tl.atomic_max(mask_ptr + row_tile * mask_cols + tiles, live, mask=(live > 0) & (tiles < mask_cols))
