@@ -26,9 +26,22 @@ def peaked_problem(N, D, V, device, dtype=torch.float32, sharpness=3.0, seed=0):
     return x.to(device, dtype), w.to(device, dtype), t.to(device)
 
 
+def input_tile_rows(x):
+    """Rows of dX's tiles where x's call runs: on CUDA its products join the mask's row tiles (configs'
+    sparse_grad_input), elsewhere the mask's."""
+    if not x.is_cuda:
+        return TILE[0]
+    from fused_ce.kernels import configs
+
+    major, minor = torch.cuda.get_device_capability(x.device)
+    dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[x.dtype]
+    return configs.config("grad_tiles", 10 * major + minor, dtype, "sparse_grad_input").block_n
+
+
 def filtered_reference(x, w, t, eps, reduction="mean", z_loss=0.0, block_rows=None):
     """float64 dX, dW of the filtered gradient (tiles over the counted rows in order, as the plan runs them: from
-    the start of each block of `block_rows`), the exact ones, and the fraction of live tiles."""
+    the start of each block of `block_rows`; dX's of input_tile_rows(x) rows), the exact ones, and the fraction of
+    live tiles."""
     counted = t >= 0
     xd, wd, tc = x[counted].double(), w.double(), t[counted]
     n, V = len(tc), w.shape[0]
@@ -40,23 +53,28 @@ def filtered_reference(x, w, t, eps, reduction="mean", z_loss=0.0, block_rows=No
     alpha = (1.0 if reduction == "sum" else 1.0 / n) * (1 + 2 * z_loss * lse)
     g = alpha[:, None] * p - onehot * (1.0 if reduction == "sum" else 1.0 / n)
     above = (p * alpha[:, None].abs() >= eps * alpha[:, None].abs()) & (onehot == 0)
-    keep, live = [], []
-    for r0 in range(0, n, block_rows or n):
-        block = above[r0 : r0 + (block_rows or n)]
-        rt, vt = -(-len(block) // TILE[0]), -(-V // TILE[1])
-        padded = torch.zeros(rt * TILE[0], vt * TILE[1], dtype=torch.bool, device=x.device)
-        padded[: len(block), :V] = block
-        tiles = padded.view(rt, TILE[0], vt, TILE[1]).any(3).any(1)
-        keep.append(tiles.repeat_interleave(TILE[0], 0).repeat_interleave(TILE[1], 1)[: len(block), :V])
-        live.append(tiles.flatten())
-    gf = g * (torch.cat(keep) | (onehot == 1))
+
+    def kept(rows):  # (each block's tiles of `rows` rows live where an entry is above, and their fraction)
+        keep, live = [], []
+        for r0 in range(0, n, block_rows or n):
+            block = above[r0 : r0 + (block_rows or n)]
+            rt, vt = -(-len(block) // rows), -(-V // TILE[1])
+            padded = torch.zeros(rt * rows, vt * TILE[1], dtype=torch.bool, device=x.device)
+            padded[: len(block), :V] = block
+            tiles = padded.view(rt, rows, vt, TILE[1]).any(3).any(1)
+            keep.append(tiles.repeat_interleave(rows, 0).repeat_interleave(TILE[1], 1)[: len(block), :V])
+            live.append(tiles.flatten())
+        return g * (torch.cat(keep) | (onehot == 1)), torch.cat(live).double().mean().item()
+
+    gf, live = kept(TILE[0])
+    gf_input = kept(input_tile_rows(x))[0]
 
     def full(rows):
         return torch.zeros(len(t), x.shape[1], dtype=rows.dtype, device=x.device).index_copy_(
             0, counted.nonzero()[:, 0], rows
         )
 
-    return (full(gf @ wd), gf.T @ xd), (full(g @ wd), g.T @ xd), torch.cat(live).double().mean().item()
+    return (full(gf_input @ wd), gf.T @ xd), (full(g @ wd), g.T @ xd), live
 
 
 @pytest.mark.parametrize("device", DEVICES)
