@@ -3,8 +3,9 @@
 Over a block's gradient G [N, V] (softmax_grad's output, in place of the logits), each program reads one
 BLOCK_N x BLOCK_V tile and writes 1 to its entry of ``mask`` [cdiv(N, BLOCK_N), mask_cols] where some nonzero
 entry other than its row's target has ``|G| >= thr`` (the row's threshold: grad_filter_eps times the row's
-coefficient of the probability, csrc/filtered_grads.cpp; a row without one, ignored, has no nonzero entry), else 0. The products over G (sparse_grad_input.py,
-sparse_grad_weight.py) then skip the tiles marked 0; the targets' entries of those tiles are added apart.
+coefficient of the probability, csrc/filtered_grads.cpp; a row whose coefficient is 0 has no nonzero entry), else
+0. The products over G (sparse_grad_input.py, sparse_grad_weight.py) then skip the tiles marked 0; the targets'
+entries of those tiles are added apart. softmax_grad.py's flavor filter gives the same answer in its own pass.
 """
 import triton
 import triton.language as tl
