@@ -25,6 +25,7 @@ SHAPES = {  # name: (N, D, V)
     "Qwen2.5-3B": (16384, 2048, 151936),
     "Llama-3.2-1B": (16384, 2048, 128256),
     "Llama-3.2-3B": (16384, 3072, 128256),
+    "D1024": (16384, 1024, 131072),  # the head of trained_logits.py (and issue 64's trained-head figures)
 }
 PEAK_TFLOPS = 790.0  # bf16 GEMM rate measured on the H200 (device/KINDS.md)
 

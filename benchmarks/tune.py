@@ -136,11 +136,18 @@ def grad_tile_rows(shape, scale, warmup, repeat, block_rows):
     return out
 
 
-def tune_grad_tiles(shape, warmup, repeat, block_rows=8192, scales=(14, 20)):
+def tune_grad_tiles(shape, warmup, repeat, scales=(14, 20)):
     """grad_filter_eps's mask and products over one row block's live tiles (JIT) at each tiling, on the gradient of
     peaked logits (common.peaked_inputs at each scale, every row counted: G = softmax - one-hot, the threshold
-    2^-12), against cuBLAS's dense dX and dW of the same block. The live share is the mask's (64 x 128 tiles) or,
-    for dX, its joined tiles'."""
+    2^-12), against cuBLAS's dense dX and dW of the same block; the block's rows are the plan's for a filtered call
+    at this shape. The live share is the mask's (64 x 128 tiles) or, for dX, its joined tiles'."""
+    import fused_ce
+
+    N, D, V = SHAPES[shape]
+    x = torch.empty(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(V, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    block_rows = fused_ce.plan(x, w, torch.zeros(N, device="cuda", dtype=torch.long), grad_filter_eps=2**-12).block_rows
+    del x, w
     out = []
     for scale in scales:
         out += grad_tile_rows(shape, scale, warmup, repeat, block_rows)
