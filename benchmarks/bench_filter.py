@@ -88,14 +88,14 @@ def main():
     print(f"\n{env['date']} {env['device']} torch {env['torch']}; shape {args.shape} (N {N}, D {D}, V {V}), bf16")
     kinds = [(f"peaked {s}", float(s)) for s in args.scales.split(",") if s]
     kinds += [] if args.no_random else [("random", 0)]
-    results, below = [], {}
+    results = []
     for kind, scale in kinds:
         for ignored in (float(f) for f in args.ignored.split(",")):
             if scale:
                 x, w, t = peaked_inputs(N, D, V, scale, device, ignored=ignored)
             else:
                 x, w, t = make_inputs(N, D, V, device, ignored=ignored)
-            below[(kind, ignored)] = dead_tiles(x, w, t)
+            dead = dead_tiles(x, w, t)
             ref = None if args.no_errors else reference_grads(x, w, t)
             times = {m: [] for m in methods}
             memory, errors = {}, {}
@@ -111,7 +111,7 @@ def main():
                     errors[name] = [((g.float() - r).norm() / r.norm()).item() for g, r in zip((xl.grad, wl.grad), ref)]
                     del xl, wl
                 results.append(dict(method=name, inputs=kind, ignored=ignored, ms=statistics.median(times[name]),
-                                    rounds_ms=times[name], gib=memory[name], dead_tiles=below[(kind, ignored)],
+                                    rounds_ms=times[name], gib=memory[name], dead_tiles=dead,
                                     errors=errors.get(name)))  # fmt: skip
             del x, w, t, ref
             torch.cuda.empty_cache()

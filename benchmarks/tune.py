@@ -93,7 +93,7 @@ GRAD_WEIGHT_TILES = [
 ]
 
 
-def grad_tile_rows(shape, scale, warmup, repeat, block_rows):
+def grad_tile_cases_at(shape, scale, warmup, repeat, block_rows):
     """tune_grad_tiles' rows at one scale."""
     from common import peaked_inputs
     from fused_ce.kernels import configs, jit
@@ -150,7 +150,7 @@ def tune_grad_tiles(shape, warmup, repeat, scales=(14, 20)):
     del x, w
     out = []
     for scale in scales:
-        out += grad_tile_rows(shape, scale, warmup, repeat, block_rows)
+        out += grad_tile_cases_at(shape, scale, warmup, repeat, block_rows)
         torch.cuda.empty_cache()
     return out
 

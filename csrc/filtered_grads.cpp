@@ -79,6 +79,13 @@ at::Tensor skipped_target_entries(const Problem& pr, const at::Tensor& block, co
                    at::zeros({}, block.options().dtype(at::kFloat)));
 }
 
+// An int32 tile mask of a block of `rows` rows, zeroed: [row tiles, class tiles] of the plan's filter tile.
+at::Tensor zero_tile_mask(const Problem& pr, const Plan& plan, int64_t rows) {
+  const int64_t tile_rows = plan.device.constants.filter_tile_rows, tile_cols = plan.device.constants.filter_tile_cols;
+  return at::zeros({(rows + tile_rows - 1) / tile_rows, (pr.V + tile_cols - 1) / tile_cols},
+                   pr.x.options().dtype(at::kInt));
+}
+
 // The live tiles of each row of `mask` first, and their count.
 LiveTiles live_tiles(const at::Tensor& mask) {
   return {std::get<1>(mask.sort(/*stable=*/true, 1, /*descending=*/true)).to(at::kInt).contiguous(),
@@ -92,9 +99,7 @@ at::Tensor filter_tile_mask(const Problem& pr, const Plan& plan, const GradCoeff
   if (plan.strategy != Strategy::StoredLogits || pr.softcap.has_value() || smoothing || c.alpha_z.defined()) {
     return at::Tensor();
   }
-  const int64_t tile_rows = plan.device.constants.filter_tile_rows, tile_cols = plan.device.constants.filter_tile_cols;
-  return at::zeros({(rows + tile_rows - 1) / tile_rows, (pr.V + tile_cols - 1) / tile_cols},
-                   pr.x.options().dtype(at::kInt));
+  return zero_tile_mask(pr, plan, rows);
 }
 
 void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoefficients& c, double eps,
@@ -105,8 +110,7 @@ void filtered_block_grads(const Problem& pr, const Plan& plan, const GradCoeffic
   const bool kernels = plan.strategy == Strategy::StoredLogits;
   at::Tensor mask = marked;
   if (!mask.defined() && kernels) {
-    mask = at::empty({(n + tile_rows - 1) / tile_rows, (pr.V + tile_cols - 1) / tile_cols},
-                     block.options().dtype(at::kInt));
+    mask = zero_tile_mask(pr, plan, n);
     cuda_grad_tile_mask(block, thresholds(pr, c, eps), pr.target, mask, tile_rows, tile_cols);
   } else if (!mask.defined()) {
     mask = aten_tile_mask(block, thresholds(pr, c, eps), pr.target, tile_rows, tile_cols);
